@@ -1,0 +1,42 @@
+"""meshrun: launch, train, checkpoint and debug distributed PyTorch, on CPU (gloo) or GPU (NCCL).
+
+Worker scripts call::
+
+    import meshrun
+    env = meshrun.init()          # reads torchrun's env, picks device and backend
+    ...
+    meshrun.shutdown()            # optional: also runs at exit, cleanly
+
+and are started with ``meshrun launch --nproc-per-node 4 script.py``.
+Imports are lazy so that ``meshrun launch`` workers start as fast as under torchrun.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+
+__all__ = ["DistEnv", "MeshrunError", "init", "shutdown", "current", "print0", "__version__"]
+
+if TYPE_CHECKING:
+    from meshrun.errors import MeshrunError
+    from meshrun.runtime.session import DistEnv, current, init, print0, shutdown
+
+_LAZY = {
+    "DistEnv": "meshrun.runtime.session",
+    "init": "meshrun.runtime.session",
+    "shutdown": "meshrun.runtime.session",
+    "current": "meshrun.runtime.session",
+    "print0": "meshrun.runtime.session",
+    "MeshrunError": "meshrun.errors",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'meshrun' has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(module), name)

@@ -1,0 +1,61 @@
+"""The `meshrun` command: one module per subcommand; this file only dispatches."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+from meshrun import __version__
+
+COMMANDS = {
+    "launch": ("meshrun.cli.launch", "start N workers of a script under torchrun's elastic agent"),
+    "doctor": ("meshrun.cli.doctor", "check this machine for distributed training, with fixes"),
+}
+
+USAGE = f"""\
+usage: meshrun <command> [options]      (meshrun <command> --help for each)
+
+meshrun {__version__}: launch, train and debug distributed PyTorch, on CPU (gloo) or GPUs (NCCL).
+
+commands:
+{{commands}}
+
+examples:
+  meshrun doctor                                   # is this machine ready?
+  meshrun launch --nproc-per-node 4 train.py       # 4 workers, [rank N] output, failure summary
+  python -m meshrun launch train.py                # the same, without the console script
+"""
+
+
+def _usage() -> str:
+    rows = "\n".join(f"  {name:<8} {help_}" for name, (_, help_) in COMMANDS.items())
+    return USAGE.format(commands=rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from meshrun.errors import MeshrunError
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(_usage())
+        return 0 if argv else 2
+    if argv[0] in ("-V", "--version"):
+        print(f"meshrun {__version__}")
+        return 0
+    name = argv[0]
+    if name not in COMMANDS:
+        import difflib
+
+        close = difflib.get_close_matches(name, list(COMMANDS), n=1)
+        hint = f"; did you mean `meshrun {close[0]}`?" if close else ""
+        print(f"meshrun: unknown command {name!r}{hint} (see `meshrun --help`)", file=sys.stderr)
+        return 2
+    module = importlib.import_module(COMMANDS[name][0])
+    try:
+        return int(module.main(argv[1:]) or 0)
+    except MeshrunError as exc:
+        print(f"meshrun {name}: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print(f"meshrun {name}: interrupted", file=sys.stderr)
+        return 130

@@ -1,0 +1,1 @@
+"""Launching workers: torchrun's elastic agent underneath, with meshrun's defaults and reports."""

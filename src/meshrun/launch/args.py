@@ -1,0 +1,82 @@
+"""The `meshrun launch` command line: every torchrun flag, plus meshrun's own, with its defaults."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import torch
+
+LAUNCH_DESCRIPTION = """\
+Start N copies of a training script, one per device, the way torchrun does (its elastic agent
+runs underneath, so every torchrun flag works with the same name and meaning), and add:
+
+  * --nproc-per-node defaults to auto: one process per GPU, or 2-4 CPU processes (gloo)
+  * a free rendezvous port on a single node, so two jobs at once never collide
+  * every line of output prefixed [rank N] (or only rank 0's with --rank0-only)
+  * per-rank logs on disk, and on failure a summary naming the rank that failed first,
+    its exit code or signal, the exception with file:line and its last lines of output
+"""
+
+LAUNCH_EPILOG = """\
+examples:
+  meshrun launch train.py                          # auto: GPUs, else 2-4 CPU processes
+  meshrun launch --nproc-per-node 4 train.py --lr 1e-3
+  meshrun launch --nproc-per-node 2 -m mypkg.train  # run a module, like python -m
+  meshrun launch --nnodes 2 --nproc-per-node 8 --rdzv-id job1 \\
+      --rdzv-backend c10d --rdzv-endpoint HOST:29400 train.py   # on every node
+
+Workers get RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT as under torchrun;
+scripts may call meshrun.init() to pick the device and backend for them.
+"""
+
+# Most CPU runs gain nothing past a few gloo processes, and each one holds a full model copy.
+MAX_AUTO_CPU_PROCS = 4
+
+
+def auto_nproc_per_node() -> int:
+    """One process per accelerator; on CPU, as many as cores but at least 2 and at most 4."""
+    if torch.accelerator.is_available() and torch.accelerator.device_count() > 0:
+        return torch.accelerator.device_count()
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(2, min(MAX_AUTO_CPU_PROCS, cores))
+
+
+def resolve_nproc_per_node(value: str) -> str:
+    """`auto` is meshrun's (see auto_nproc_per_node); anything else means what it means to torchrun."""
+    return str(auto_nproc_per_node()) if value == "auto" else value
+
+
+def build_parser(prog: str = "meshrun launch") -> argparse.ArgumentParser:
+    """torchrun's own parser, re-labelled, with meshrun's defaults and options added."""
+    from torch.distributed.run import get_args_parser
+
+    parser = get_args_parser()
+    parser.prog = prog
+    parser.description = LAUNCH_DESCRIPTION
+    parser.epilog = LAUNCH_EPILOG
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    for action in parser._actions:
+        if action.dest == "nproc_per_node":
+            action.default = os.environ.get("PET_NPROC_PER_NODE", "auto")
+            action.help = (
+                "Worker processes per node: auto (default: one per GPU, else 2-4 on CPU), "
+                "an integer, or cpu/gpu/xpu as in torchrun."
+            )
+        elif action.dest == "log_dir":
+            action.help = (
+                "Directory for per-rank logs (stdout.log, stderr.log, error.json per rank and "
+                "attempt). Default: a new directory under the system temp dir, printed on failure."
+            )
+    group = parser.add_argument_group("meshrun options")
+    group.add_argument(
+        "--rank0-only",
+        action="store_true",
+        help="Show only local rank 0's output on the console; every rank still logs to --log-dir.",
+    )
+    group.add_argument(
+        "--no-prefix",
+        action="store_true",
+        help="Do not prefix output lines with [rank N].",
+    )
+    return parser

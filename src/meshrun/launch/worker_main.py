@@ -1,0 +1,123 @@
+"""Runs one worker's target script or module, recording a failure where the launcher finds it.
+
+Started by `meshrun launch` as `python -u worker_main.py [-m] TARGET ARGS...`. Standard library
+only, and imports nothing heavy, so user code starts as soon as it would under torchrun.
+Torchelastic's `@record` does the same job, but only for scripts that remember to use it.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import json
+import os
+import runpy
+import sys
+import time
+import traceback
+
+_SKIP_FILES = {os.path.abspath(__file__), os.path.abspath(runpy.__file__), "<frozen runpy>"}
+_LIBRARY_DIRS = tuple(
+    {os.path.abspath(p) for p in (sys.prefix, sys.base_prefix, sys.exec_prefix)}
+)
+
+
+def _skipped(filename: str) -> bool:
+    return filename in _SKIP_FILES or os.path.abspath(filename) in _SKIP_FILES
+
+
+def _user_traceback(exc: BaseException):
+    """The exception's traceback without this bootstrap's and runpy's frames on top."""
+    tb = exc.__traceback__
+    while tb is not None and _skipped(tb.tb_frame.f_code.co_filename):
+        tb = tb.tb_next
+    return tb
+
+
+def _frames(tb) -> list[tuple[str, int, str]]:
+    return [(fs.filename, fs.lineno or 0, fs.name) for fs in traceback.extract_tb(tb)]
+
+
+def _is_user_file(path: str) -> bool:
+    path = os.path.abspath(path)
+    return not path.startswith(_LIBRARY_DIRS) and "site-packages" not in path and not path.startswith("<")
+
+
+def _write_error_file(exc: BaseException, tb, formatted: str) -> None:
+    """torchelastic's error.json format, plus a `meshrun` block with exact time and call site."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    frames = _frames(tb)
+    user = [f for f in frames if _is_user_file(f[0])]
+    site = (user or frames or [("<unknown>", 0, "<module>")])[-1]
+    raised = (frames or [site])[-1]
+    now = time.time()
+    data = {
+        "message": {
+            "message": f"{type(exc).__name__}: {exc}",
+            "extraInfo": {"py_callstack": formatted, "timestamp": str(int(now))},
+        },
+        "meshrun": {
+            "time": now,
+            "type": type(exc).__name__,
+            "text": str(exc),
+            "file": site[0],
+            "line": site[1],
+            "function": site[2],
+            "raised_file": raised[0],
+            "raised_line": raised[1],
+            "rank": os.environ.get("RANK"),
+        },
+    }
+    try:
+        with open(path, "w") as fp:
+            json.dump(data, fp)
+    except OSError:
+        pass
+
+
+def _mark_runtime_failed() -> None:
+    session = sys.modules.get("meshrun.runtime.session")
+    if session is not None:
+        session.mark_failed()
+
+
+def run(argv: list[str]) -> int:
+    """Run `[-m] TARGET ARGS...` as `__main__`; return the process exit code."""
+    as_module = bool(argv) and argv[0] == "-m"
+    if as_module:
+        argv = argv[1:]
+    if not argv:
+        print("meshrun worker: no script or module given", file=sys.stderr)
+        return 2
+    target, args = argv[0], argv[1:]
+    faulthandler.enable()  # a segfault or abort still leaves a Python stack in the rank's log
+    try:
+        if as_module:
+            sys.argv = [target, *args]
+            sys.path[0] = os.getcwd()
+            runpy.run_module(target, run_name="__main__", alter_sys=True)
+        else:
+            sys.argv = [target, *args]
+            sys.path[0] = os.path.dirname(os.path.abspath(target))
+            runpy.run_path(target, run_name="__main__")
+    except SystemExit as exc:
+        code = exc.code
+        if code is None:
+            return 0
+        if isinstance(code, int):
+            return code
+        print(code, file=sys.stderr)
+        return 1
+    except BaseException as exc:  # noqa: BLE001 - every failure must be recorded
+        _mark_runtime_failed()
+        tb = _user_traceback(exc)
+        formatted = "".join(traceback.format_exception(type(exc), exc, tb))
+        sys.stderr.write(formatted)
+        _write_error_file(exc, tb, formatted)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(run(sys.argv[1:]))

@@ -1,0 +1,156 @@
+"""`meshrun launch` end to end: real agents, real gloo workers, real failures."""
+
+from __future__ import annotations
+
+import re
+import sys
+import threading
+import time
+
+import pytest
+import torch
+from conftest import BIN, EXAMPLES, meshrun, run_proc
+
+FAILING_SCRIPT = """\
+import os, signal, sys, time
+import torch, torch.distributed as dist
+import meshrun
+
+env = meshrun.init()
+mode = sys.argv[1]
+for step in range(20):
+    x = torch.ones(4)
+    if env.rank == 1 and step == 3:
+        print("rank 1 reached step 3", flush=True)
+        if mode == "raise":
+            raise ValueError(f"bad batch at step {step}")
+        os.kill(os.getpid(), signal.SIGKILL)
+    dist.all_reduce(x)
+print("finished")
+"""
+
+
+def test_guide_ddp_example_trains_on_4_processes(tmp_path):
+    result = meshrun("launch", "--nproc-per-node", "4", str(EXAMPLES / "guide" / "train_ddp.py"),
+                     cwd=tmp_path, timeout=180)
+    assert result.returncode == 0, result.output
+    epochs = re.findall(r"^\[rank 0\] epoch (\d) loss=([\d.]+) \(world_size=4, gloo\)$", result.stdout, re.M)
+    assert [e for e, _ in epochs] == ["0", "1", "2"], result.output
+    assert "[rank 1] epoch" not in result.stdout  # printing is rank 0's job
+    state = torch.load(tmp_path / "ckpt.pth", weights_only=True)
+    assert set(state) == {"0.weight", "0.bias", "2.weight", "2.bias"}  # saved without the DDP wrapper
+
+
+def test_guide_ddp_example_runs_as_one_process_under_plain_python(tmp_path):
+    result = run_proc([sys.executable, str(EXAMPLES / "guide" / "train_ddp.py"), "--epochs", "1"],
+                      cwd=tmp_path, timeout=120)
+    assert result.returncode == 0, result.output
+    assert "epoch 0 loss=" in result.stdout and "world_size=1" in result.stdout
+    notices = [line for line in result.stderr.splitlines() if "single process" in line]
+    assert len(notices) == 1, result.stderr
+
+
+def test_plain_torchrun_script_runs_the_same_under_meshrun_and_torchrun(tmp_path):
+    # The guide's model init is unseeded; seed it so the two launchers' runs are comparable.
+    source = (EXAMPLES / "guide" / "train_ddp_plain.py").read_text()
+    seeded = source.replace("    rank = dist.get_rank()\n", "    rank = dist.get_rank()\n    torch.manual_seed(0)\n")
+    assert seeded != source
+    script = str(tmp_path / "train_ddp_plain.py")
+    (tmp_path / "train_ddp_plain.py").write_text(seeded)
+    ours = meshrun("launch", "--nproc-per-node", "2", script, cwd=tmp_path, timeout=180,
+                   env={"CKPT_PATH": str(tmp_path / "meshrun.pth")})
+    theirs = run_proc([str(BIN / "torchrun"), "--nproc-per-node", "2", script], cwd=tmp_path, timeout=180,
+                      env={"CKPT_PATH": str(tmp_path / "torchrun.pth")})
+    assert ours.returncode == 0, ours.output
+    assert theirs.returncode == 0, theirs.output
+    a = torch.load(tmp_path / "meshrun.pth", weights_only=True)
+    b = torch.load(tmp_path / "torchrun.pth", weights_only=True)
+    for key in a:
+        assert torch.equal(a[key], b[key]), key  # same seeds, same sampler: bit-identical training
+    losses = lambda out: re.findall(r"epoch \d loss=[\d.]+", out)  # noqa: E731
+    assert losses(ours.stdout) == losses(theirs.stdout) and len(losses(ours.stdout)) == 3
+
+
+def test_two_jobs_started_together_both_succeed(tmp_path):
+    script = str(EXAMPLES / "guide" / "train_ddp.py")
+    results = {}
+
+    def job(name):
+        (tmp_path / name).mkdir()
+        results[name] = meshrun("launch", "--nproc-per-node", "2", script, "--epochs", "1",
+                                cwd=tmp_path / name, timeout=180)
+
+    threads = [threading.Thread(target=job, args=(n,)) for n in ("a", "b")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for name, result in results.items():
+        assert result.returncode == 0, f"job {name}: {result.output}"
+
+
+def test_rank_raising_is_summarized_with_rank_type_message_and_site(write_script):
+    script = write_script("fails.py", FAILING_SCRIPT)
+    start = time.monotonic()
+    result = meshrun("launch", "--nproc-per-node", "2", str(script), "raise", timeout=120)
+    elapsed = time.monotonic() - start
+    assert result.returncode != 0
+    assert elapsed < 60, elapsed
+    headline = next(line for line in result.stderr.splitlines() if "failed first" in line)
+    assert "Rank 1 failed first" in headline and "exit code 1" in headline, result.stderr
+    assert "ValueError: bad batch at step 3" in result.stderr
+    assert f"at {script}:12 in <module>" in result.stderr, result.stderr
+    assert "rank 1 reached step 3" in result.stderr.split("failed first")[1]  # last output lines
+    assert re.search(r"rank 1's full output: \S+/attempt_0/1/stderr\.log", result.stderr)
+
+
+def test_rank_killed_by_sigkill_is_named(write_script):
+    script = write_script("killed.py", FAILING_SCRIPT)
+    result = meshrun("launch", "--nproc-per-node", "2", str(script), "kill", timeout=120)
+    assert result.returncode == 128 + 9, result.output
+    headline = next(line for line in result.stderr.splitlines() if "failed first" in line)
+    assert "Rank 1 failed first" in headline and "SIGKILL" in headline, result.stderr
+
+
+def test_module_target_and_rank0_only(tmp_path):
+    pkg = tmp_path / "mypkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "hello.py").write_text(
+        "import sys, meshrun\nenv = meshrun.init()\nprint(f'hello from {env.rank} of {env.world_size}', sys.argv[1:])\n"
+    )
+    result = meshrun("launch", "--nproc-per-node", "2", "--rank0-only", "-m", "mypkg.hello", "x",
+                     cwd=tmp_path, timeout=120)
+    assert result.returncode == 0, result.output
+    assert "[rank 0] hello from 0 of 2 ['x']" in result.stdout
+    assert "hello from 1" not in result.stdout
+
+
+def test_busy_master_port_is_refused_in_one_line(write_script):
+    import socket
+
+    script = write_script("noop.py", "print('never runs')\n")
+    with socket.socket() as held:
+        held.bind(("", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        result = meshrun("launch", "--nproc-per-node", "2", "--master-port", str(port), str(script), timeout=60)
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and f"port {port} is already in use" in lines[0] and "--master-port" in lines[0]
+
+
+def test_missing_script_is_one_line():
+    result = meshrun("launch", "--nproc-per-node", "2", "does_not_exist.py", timeout=60)
+    assert result.returncode == 2
+    assert result.stderr.strip().count("\n") == 0 and "not found" in result.stderr
+
+
+@pytest.mark.parametrize("args", [["--help"], ["launch", "--help"]])
+def test_help_explains_itself(args):
+    result = meshrun(*args, timeout=60)
+    assert result.returncode == 0
+    assert "launch" in result.stdout and "example" in result.stdout
+    if args[0] == "launch":
+        for flag in ("--nproc-per-node", "--rdzv-endpoint", "--max-restarts", "--rank0-only", "auto"):
+            assert flag in result.stdout
