@@ -59,6 +59,7 @@ def main() -> None:
         meshrun.print0(f"epoch {epoch} loss={loss.item():.4f} (world_size={env.world_size}, {env.backend})")
 
     if env.is_main and args.save:
+        os.makedirs(os.path.dirname(os.path.abspath(args.save)), exist_ok=True)
         torch.save(model.module.state_dict(), args.save)  # save once, without the DDP wrapper
         print(f"saved {os.path.abspath(args.save)}")
     meshrun.shutdown()

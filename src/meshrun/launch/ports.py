@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import socket
 
@@ -19,8 +20,10 @@ def port_in_use(port: int, host: str = "") -> bool:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind((host, port))
-        except OSError:
-            return True
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                return True
+            raise  # EACCES (a privileged port), EADDRNOTAVAIL, ...: not "in use", say what it is
     return False
 
 

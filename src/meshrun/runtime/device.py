@@ -28,7 +28,7 @@ def pick_device(local_rank: int, requested: str | None = None) -> torch.device:
     count = torch.accelerator.device_count()
     if count == 0:
         return torch.device("cpu")
-    index = local_rank % count
+    index = device.index if requested is not None and device.index is not None else local_rank % count
     torch.accelerator.set_device_index(index)
     return torch.device(accelerator.type, index)
 

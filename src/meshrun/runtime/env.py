@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -27,13 +28,13 @@ class LaunchEnv:
 
 def _int_var(environ: Mapping[str, str], name: str, *, minimum: int) -> int:
     raw = environ[name]
-    try:
-        value = int(raw.strip())
-    except ValueError:
+    text = raw.strip()
+    if not re.fullmatch(r"-?[0-9]+", text):
         raise EnvError(
             f"{name}={raw!r} is not an integer; unset it (`unset {name}`) or start the script "
             f"with `meshrun launch`, which sets it for every worker"
-        ) from None
+        )
+    value = int(text)
     if value < minimum:
         raise EnvError(f"{name}={value} must be >= {minimum}; unset it or start with `meshrun launch`")
     return value
@@ -46,6 +47,7 @@ def read_launch_env(environ: Mapping[str, str] | None = None) -> LaunchEnv:
     if not present:
         return LaunchEnv(0, 0, 1, 1, None, None, launched=False)
     if len(present) == 1:
+        _int_var(environ, present[0], minimum=0)  # a malformed value is the first thing to fix
         missing = "WORLD_SIZE" if present == ["RANK"] else "RANK"
         raise EnvError(
             f"{present[0]} is set but {missing} is not: a stale launcher environment; "
@@ -70,7 +72,7 @@ def read_launch_env(environ: Mapping[str, str] | None = None) -> LaunchEnv:
         if "MASTER_PORT" not in environ:
             raise EnvError("MASTER_PORT is unset while WORLD_SIZE>1; let `meshrun launch` set it")
     if "MASTER_PORT" in environ:
-        master_port = _int_var(environ, "MASTER_PORT", minimum=0)
+        master_port = _int_var(environ, "MASTER_PORT", minimum=1 if world_size > 1 else 0)
         if master_port > 65535:
-            raise EnvError(f"MASTER_PORT={master_port} is not a TCP port (0-65535)")
+            raise EnvError(f"MASTER_PORT={master_port} is not a TCP port (1-65535)")
     return LaunchEnv(rank, local_rank, world_size, local_world_size, master_addr, master_port, True)
