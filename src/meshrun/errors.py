@@ -19,3 +19,15 @@ class LaunchError(MeshrunError):
 
 class WorldSizeError(MeshrunError):
     """The script needs more processes than it was started with."""
+
+
+class ConfigError(MeshrunError):
+    """A config key or value is wrong: the message names the key, the value and what is expected."""
+
+
+class DataError(MeshrunError):
+    """A data file is missing, corrupt or does not fit the config."""
+
+
+class ModelError(MeshrunError):
+    """The model cannot be built as configured (e.g. a factory that does not import)."""

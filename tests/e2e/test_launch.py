@@ -154,3 +154,21 @@ def test_help_explains_itself(args):
     if args[0] == "launch":
         for flag in ("--nproc-per-node", "--rdzv-endpoint", "--max-restarts", "--rank0-only", "auto"):
             assert flag in result.stdout
+
+
+def test_min_world_size_under_plain_python_gives_the_launch_command(write_script):
+    script = write_script("needs2.py", "import meshrun\nmeshrun.init(min_world_size=2)\nprint('ran')\n")
+    result = run_proc([sys.executable, str(script), "--lr", "3"], timeout=60)
+    assert result.returncode == 2 and "ran" not in result.stdout
+    (line,) = result.stderr.strip().splitlines()
+    assert f"meshrun launch --nproc-per-node 2 {script} --lr 3" in line
+
+
+def test_sys_exit_nonzero_on_one_rank_fails_the_job_fast(write_script):
+    script = write_script("exits.py", "import sys, meshrun\nenv = meshrun.init()\n"
+                                      "if env.rank == 1:\n    sys.exit(3)\nprint('rank', env.rank, 'done')\n")
+    start = time.monotonic()
+    result = meshrun("launch", "--nproc-per-node", "2", str(script), timeout=120)
+    assert result.returncode == 3, result.output
+    assert "Rank 1 failed first" in result.stderr and "exit code 3" in result.stderr
+    assert time.monotonic() - start < 25  # the failing rank does not sit in the shutdown barrier

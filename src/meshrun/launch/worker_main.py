@@ -103,8 +103,9 @@ def run(argv: list[str]) -> int:
             runpy.run_path(target, run_name="__main__")
     except SystemExit as exc:
         code = exc.code
-        if code is None:
+        if code is None or code == 0:
             return 0
+        _mark_runtime_failed()  # a failing rank skips the shutdown barrier
         if isinstance(code, int):
             return code
         print(code, file=sys.stderr)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import atexit
 import gc
 import logging
+import os
 import shlex
 import sys
 from dataclasses import dataclass
@@ -28,8 +29,9 @@ from meshrun.runtime.env import read_launch_env
 
 logger = logging.getLogger(__name__)
 
-# Bounded so a peer that hangs instead of exiting cannot stall teardown for the 30-minute default.
-SHUTDOWN_BARRIER_TIMEOUT_S = 60.0
+# Bounded so a peer that hangs instead of exiting cannot stall teardown for the 30-minute default;
+# generous enough for rank 0 to finish writing a final checkpoint while the others wait.
+SHUTDOWN_BARRIER_TIMEOUT_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -61,6 +63,7 @@ class _Session:
         self.owns_group = False
         self.failed = False
         self.hooks_installed = False
+        self.generation = 0  # shutdown barriers done, for unique store keys
 
 
 _session = _Session()
@@ -166,7 +169,7 @@ def _install_hooks() -> None:
 
 
 def _shutdown_at_exit() -> None:
-    shutdown(failed=_session.failed or getattr(sys, "last_value", None) is not None)
+    shutdown(failed=_session.failed)
 
 
 def current() -> DistEnv | None:
@@ -179,29 +182,41 @@ def mark_failed() -> None:
     _session.failed = True
 
 
-def shutdown(*, failed: bool = False) -> None:
-    """Tear the process group down cleanly; safe to call twice, and runs at exit by itself."""
-    if not dist.is_initialized() or not _session.owns_group:
-        _session.env = None
+def shutdown(*, failed: bool = False, timeout: float = SHUTDOWN_BARRIER_TIMEOUT_S) -> None:
+    """Tear the process group down cleanly; safe to call twice, and runs at exit by itself.
+
+    failed=True skips the barrier: a failing rank must not wait for peers. timeout bounds the
+    barrier on every rank, so a peer that hangs instead of exiting delays teardown, never blocks it.
+    """
+    owned, _session.env, _session.owns_group = _session.owns_group, None, False
+    if not owned or not dist.is_initialized():
         return
     gc.collect()  # drop DDP reducers and optimizer state that still hold the group
     if not failed and dist.get_world_size() > 1:
-        _barrier_before_teardown()
-    try:
-        dist.destroy_process_group()
-    finally:
-        _session.env = None
-        _session.owns_group = False
+        _barrier_before_teardown(timeout)
+    dist.destroy_process_group()
 
 
-def _barrier_before_teardown() -> None:
+def _barrier_before_teardown(timeout: float) -> None:
+    """A store-based barrier with a deadline on every rank.
+
+    Not a collective: an abandoned gloo barrier that timed out leaves the group unusable and
+    `destroy_process_group` hangs, while a store barrier can simply be given up on.
+    """
+    from torch.distributed.elastic.utils.store import barrier as store_barrier
+
+    _session.generation += 1
+    key = "meshrun/shutdown/{}/{}/{}".format(
+        os.environ.get("TORCHELASTIC_RUN_ID", ""),
+        os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"),
+        _session.generation,
+    )
     try:
-        if dist.get_backend() == "gloo":
-            dist.monitored_barrier(timeout=timedelta(seconds=SHUTDOWN_BARRIER_TIMEOUT_S))
-        else:
-            dist.barrier()
-    except Exception as exc:  # a peer died: tear down anyway, the launcher reports the peer
-        logger.warning("meshrun: shutdown barrier failed (%s); destroying the group anyway", exc)
+        store = dist.distributed_c10d._get_default_store()
+        store_barrier(store, dist.get_world_size(), key_prefix=key, barrier_timeout=timeout)
+    except Exception as exc:  # a peer died or hangs: tear down anyway; the launcher reports the peer
+        first_line = str(exc).strip().splitlines()[0][:160] if str(exc).strip() else type(exc).__name__
+        logger.warning("meshrun: shutdown barrier incomplete (%s); destroying the group anyway", first_line)
 
 
 def print0(*args: Any, **kwargs: Any) -> None:

@@ -1,0 +1,72 @@
+"""meshrun.init()/shutdown() in real gloo groups: env, idempotence, world checks, teardown."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import meshrun
+from meshrun.testing import DistributedTestError, run_distributed
+
+
+def init_twice_and_describe():
+    env = meshrun.init(timeout=30)
+    assert meshrun.init() is env  # idempotent
+    assert meshrun.current() is env
+    x = torch.ones(2)
+    dist.all_reduce(x)
+    meshrun.shutdown()
+    meshrun.shutdown()  # safe twice
+    return (env.rank, env.local_rank, env.world_size, str(env.device), env.backend, env.device_ids,
+            x.tolist(), dist.is_initialized())
+
+
+def test_init_reads_the_launcher_env_and_shutdown_is_idempotent():
+    results = run_distributed(init_twice_and_describe, world_size=2, timeout=90, init=False)
+    assert results == [(r, r, 2, "cpu", "gloo", None, [2.0, 2.0], False) for r in range(2)]
+
+
+def needs_three():
+    meshrun.init(min_world_size=3)
+
+
+def test_min_world_size_under_a_launcher_exits_with_the_command():
+    with pytest.raises(DistributedTestError) as info:
+        run_distributed(needs_three, world_size=2, timeout=90, init=False)
+    assert "SystemExit: 2" in str(info.value)
+
+
+def adopt_user_group():
+    dist.init_process_group("gloo")
+    env = meshrun.init()
+    meshrun.shutdown()  # not meshrun's group: left alone
+    alive = dist.is_initialized()
+    dist.destroy_process_group()
+    return env.world_size, alive
+
+
+def test_a_group_made_by_the_user_is_adopted_not_destroyed():
+    assert run_distributed(adopt_user_group, world_size=2, timeout=90, init=False) == [(2, True)] * 2
+
+
+def failing_rank_does_not_wait_for_peers():
+    env = meshrun.init()
+    if env.rank == 1:
+        raise ValueError("rank 1 fails before the collective")
+    start = time.monotonic()
+    try:
+        dist.all_reduce(torch.ones(1))
+    finally:
+        meshrun.shutdown()
+    return time.monotonic() - start
+
+
+def test_failing_rank_is_reported_and_peers_are_released_quickly():
+    start = time.monotonic()
+    with pytest.raises(DistributedTestError) as info:
+        run_distributed(failing_rank_does_not_wait_for_peers, world_size=2, timeout=90, init=False)
+    assert info.value.rank == 1 and "rank 1 fails" in str(info.value)
+    assert time.monotonic() - start < 45  # not the 30-minute gloo timeout, nor a barrier's wait
