@@ -172,3 +172,44 @@ def test_sys_exit_nonzero_on_one_rank_fails_the_job_fast(write_script):
     assert result.returncode == 3, result.output
     assert "Rank 1 failed first" in result.stderr and "exit code 3" in result.stderr
     assert time.monotonic() - start < 25  # the failing rank does not sit in the shutdown barrier
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as fp:
+            return fp.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_workers_die_with_a_sigkilled_agent(tmp_path, write_script):
+    import os
+    import signal
+    import subprocess
+
+    script = write_script("sleeper.py", "import os, sys, time\n"
+                          "open(os.path.join(sys.argv[1], os.environ['RANK']), 'w').write(str(os.getpid()))\n"
+                          "time.sleep(120)\n")
+    agent = subprocess.Popen([str(BIN / "meshrun"), "launch", "--nproc-per-node", "2", str(script), str(tmp_path)],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not all((tmp_path / r).exists() for r in "01"):
+            time.sleep(0.2)
+        pids = [int((tmp_path / r).read_text()) for r in "01"]
+        agent.kill()
+        agent.wait(timeout=10)
+        deadline = time.monotonic() + 10
+        alive = pids
+        while alive and time.monotonic() < deadline:
+            time.sleep(0.2)
+            alive = [p for p in pids if _alive(p)]
+        assert not alive, f"workers {alive} outlived the agent"
+    finally:
+        agent.kill()
+        for r in "01":
+            if (tmp_path / r).exists():
+                try:
+                    os.kill(int((tmp_path / r).read_text()), signal.SIGKILL)
+                except (ProcessLookupError, ValueError):
+                    pass

@@ -82,6 +82,21 @@ def _mark_runtime_failed() -> None:
         session.mark_failed()
 
 
+def _die_with_agent() -> None:
+    """Linux: a SIGKILLed agent cannot stop its workers, so have the kernel do it."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        import ctypes
+
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, 9)  # SIGKILL
+        if os.getppid() == 1:  # the agent died before prctl took effect
+            os._exit(1)
+    except (OSError, AttributeError):
+        pass
+
+
 def run(argv: list[str]) -> int:
     """Run `[-m] TARGET ARGS...` as `__main__`; return the process exit code."""
     as_module = bool(argv) and argv[0] == "-m"
@@ -92,6 +107,7 @@ def run(argv: list[str]) -> int:
         return 2
     target, args = argv[0], argv[1:]
     faulthandler.enable()  # a segfault or abort still leaves a Python stack in the rank's log
+    _die_with_agent()
     try:
         if as_module:
             sys.argv = [target, *args]
