@@ -9,9 +9,12 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.meshrun-installed
 PYTEST_ARGS ?=
 
-.PHONY: run test setup lint bench clean
+.PHONY: run guide test setup lint bench clean
 
-run: $(STAMP)  ## the main job on the embedded default: CPU, gloo, several processes
+run: $(STAMP)  ## the main job on the embedded default: tiny Llama, built-in corpus, CPU, gloo, 2+ processes
+	$(BIN)/meshrun train
+
+guide: $(STAMP)  ## the guide's DDP example through meshrun launch
 	$(BIN)/meshrun launch examples/guide/train_ddp.py --save runs/train_ddp/ckpt.pth
 
 test: $(STAMP) lint  ## ruff, then every test (pytest exit 5, "no tests collected", is a failure)
@@ -30,7 +33,7 @@ bench: $(STAMP)
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --disable-pip-version-check "$(TORCH_SPEC)"
-	$(BIN)/pip install --quiet --disable-pip-version-check -e '.[dev]'
+	$(BIN)/pip install --quiet --disable-pip-version-check -e '.[dev,report]'
 	@touch $@
 
 clean:

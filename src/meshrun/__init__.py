@@ -17,9 +17,13 @@ from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-__all__ = ["DistEnv", "MeshrunError", "init", "shutdown", "current", "print0", "__version__"]
+__all__ = [
+    "DistEnv", "MeshrunError", "init", "shutdown", "current", "print0",
+    "prepare", "prepare_model", "prepare_dataloader", "__version__",
+]
 
 if TYPE_CHECKING:
+    from meshrun.api import prepare, prepare_dataloader, prepare_model
     from meshrun.errors import MeshrunError
     from meshrun.runtime.session import DistEnv, current, init, print0, shutdown
 
@@ -30,6 +34,9 @@ _LAZY = {
     "current": "meshrun.runtime.session",
     "print0": "meshrun.runtime.session",
     "MeshrunError": "meshrun.errors",
+    "prepare": "meshrun.api",
+    "prepare_model": "meshrun.api",
+    "prepare_dataloader": "meshrun.api",
 }
 
 

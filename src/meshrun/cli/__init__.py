@@ -8,6 +8,10 @@ import sys
 from meshrun import __version__
 
 COMMANDS = {
+    "train": ("meshrun.cli.train", "train a model from a config (no config: the embedded default)"),
+    "config": ("meshrun.cli.config", "show the fully resolved config: every key, default and doc"),
+    "data": ("meshrun.cli.data", "prepare a memory-mapped token file from text (meshrun data prepare)"),
+    "report": ("meshrun.cli.report", "render a run's loss/throughput/per-rank curves as PNG + HTML"),
     "launch": ("meshrun.cli.launch", "start N workers of a script under torchrun's elastic agent"),
     "doctor": ("meshrun.cli.doctor", "check this machine for distributed training, with fixes"),
 }
@@ -21,6 +25,8 @@ commands:
 {{commands}}
 
 examples:
+  meshrun train                                    # the main job: the embedded default on CPU
+  meshrun train examples/configs/tiny.toml --nproc-per-node 2 --set optim.lr=3e-3
   meshrun doctor                                   # is this machine ready?
   meshrun launch --nproc-per-node 4 train.py       # 4 workers, [rank N] output, failure summary
   python -m meshrun launch train.py                # the same, without the console script

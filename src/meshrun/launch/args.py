@@ -7,6 +7,8 @@ import os
 
 import torch
 
+from meshrun.errors import LaunchError
+
 LAUNCH_DESCRIPTION = """\
 Start N copies of a training script, one per device, the way torchrun does (its elastic agent
 runs underneath, so every torchrun flag works with the same name and meaning), and add:
@@ -44,7 +46,14 @@ def auto_nproc_per_node() -> int:
 
 def resolve_nproc_per_node(value: str) -> str:
     """`auto` is meshrun's (see auto_nproc_per_node); anything else means what it means to torchrun."""
-    return str(auto_nproc_per_node()) if value == "auto" else value
+    value = str(value).strip()
+    if value == "auto":
+        return str(auto_nproc_per_node())
+    if value.lstrip("-").isdigit() and int(value) < 1:
+        raise LaunchError(f"--nproc-per-node {value}: must be 'auto' or >= 1 (e.g. --nproc-per-node 2)")
+    if not value.isdigit() and value not in ("cpu", "gpu", "xpu"):
+        raise LaunchError(f"--nproc-per-node {value!r}: expected 'auto', a number >= 1, or cpu/gpu/xpu")
+    return value
 
 
 def build_parser(prog: str = "meshrun launch") -> argparse.ArgumentParser:

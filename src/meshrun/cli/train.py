@@ -1,0 +1,121 @@
+"""`meshrun train [CONFIG.toml] [--set section.key=value ...] [launch options]`: the main job.
+
+    meshrun train                                   # the embedded default: tiny Llama, built-in corpus, CPU
+    meshrun train examples/configs/tiny.toml --set optim.lr=3e-4 --nproc-per-node 2
+
+The config is resolved and checked here, once, and saved to runs/<name>/config.toml; then the
+workers are started through `meshrun launch` (torchrun's agent), so every launch option works.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+from meshrun.config import JobConfig, load_config, save_config
+from meshrun.errors import ConfigError
+from meshrun.launch.args import build_parser as build_launch_parser
+from meshrun.launch.launcher import run_launch
+from meshrun.train.preflight import preflight
+
+# Launch options that make no sense here: the training target is meshrun's own worker.
+_NOT_FOR_TRAIN = {"-m", "--module", "--no-python", "--no_python", "--run-path", "--run_path"}
+
+
+def _launch_options() -> dict[str, bool]:
+    """Every `meshrun launch` option string -> whether it takes a value."""
+    options = {}
+    for action in build_launch_parser()._actions:
+        for flag in action.option_strings:
+            if flag not in ("-h", "--help") and flag not in _NOT_FOR_TRAIN:
+                options[flag] = action.nargs != 0
+    return options
+
+
+def split_launch_args(argv: list[str]) -> tuple[list[str], list[str]]:
+    """Separate launch options (torchrun's and meshrun's) from train's own arguments."""
+    options = _launch_options()
+    launch, rest, i = [], [], 0
+    while i < len(argv):
+        token = argv[i]
+        flag = token.split("=", 1)[0]
+        if flag in options:
+            launch.append(token)
+            if options[flag] and "=" not in token and i + 1 < len(argv):
+                launch.append(argv[i + 1])
+                i += 1
+        else:
+            rest.append(token)
+        i += 1
+    return launch, rest
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="meshrun train",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description=__doc__.split("\n\n")[0],
+        epilog=(
+            "launch options: every `meshrun launch` option works here too (--nproc-per-node,\n"
+            "--nnodes, --rdzv-endpoint, --max-restarts, --rank0-only, ...); see `meshrun launch --help`.\n"
+            "They override the config's [launch] section.\n\n"
+            "examples:\n"
+            "  meshrun train                                     # default run, 2+ CPU processes\n"
+            "  meshrun train examples/configs/tiny.toml --nproc-per-node 2\n"
+            "  meshrun train --set train.steps=1000 --set train.dtype=bf16 --set data.path=data/tok\n"
+            "  meshrun config show examples/configs/small.toml   # every key, its default and doc\n"
+            "\nA run writes runs/<name>/: config.toml, metrics.jsonl, model.pt, report.html, logs/."
+        ),
+    )
+    parser.add_argument("config", nargs="?", help="TOML config file; omitted = the embedded default")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                        help="override one config key (repeatable), e.g. --set optim.lr=3e-4")
+    return parser
+
+
+def _launch_argv_from_config(cfg: JobConfig, cli_launch: list[str]) -> list[str]:
+    """The [launch] section as torchrun flags, each only when the command line did not set it."""
+    given = {token.split("=", 1)[0].replace("_", "-") for token in cli_launch if token.startswith("-")}
+    section = cfg.launch
+    pairs = [
+        ("--nproc-per-node", str(section.nproc_per_node)),
+        ("--max-restarts", str(section.max_restarts)),
+        ("--nnodes", str(section.nnodes)),
+        ("--rdzv-backend", section.rdzv_backend),
+        ("--rdzv-id", str(section.rdzv_id)),
+    ]
+    if section.rdzv_endpoint:
+        pairs.append(("--rdzv-endpoint", section.rdzv_endpoint))
+    argv = []
+    for flag, value in pairs:
+        if flag not in given:
+            argv += [flag, value]
+    return argv
+
+
+def make_run_dir(cfg: JobConfig) -> Path:
+    name = cfg.train.name or time.strftime("%Y%m%d-%H%M%S")
+    run_dir = Path(cfg.train.run_dir) / name
+    run_dir.mkdir(parents=True, exist_ok=True)
+    return run_dir
+
+
+def main(argv: list[str]) -> int:
+    cli_launch, rest = split_launch_args(argv)
+    args = build_parser().parse_args(rest)
+    if args.config and not os.path.isfile(args.config):
+        raise ConfigError(f"config file {args.config!r} not found; see examples/configs/ for examples")
+    cfg = load_config(args.config, args.overrides)
+    launch_argv = _launch_argv_from_config(cfg, cli_launch) + cli_launch
+    launch_args = build_launch_parser().parse_args(launch_argv + ["-m", "meshrun.train.worker"])
+    preflight(cfg, nproc_per_node=launch_args.nproc_per_node)
+    run_dir = make_run_dir(cfg)
+    save_config(cfg, run_dir / "config.toml")
+    launch_args.training_script_args = ["--run-dir", str(run_dir)]
+    if not launch_args.log_dir:
+        launch_args.log_dir = str(run_dir / "logs")
+    print(f"meshrun train: run directory {run_dir}", file=sys.stderr)
+    return run_launch(launch_args)

@@ -1,0 +1,57 @@
+"""Typed config for `meshrun train`: dataclass sections, TOML, `--set` overrides, validation.
+
+    from meshrun.config import load_config
+    cfg = load_config("examples/configs/tiny.toml", ["optim.lr=3e-4"])
+    CheckpointManager(cfg.checkpoint, ...)   # a component gets only its own section
+
+Sections are frozen; derive a changed one with `dataclasses.replace(cfg.train, steps=10)`.
+"""
+
+from __future__ import annotations
+
+from meshrun.config.dump import as_dict, describe, save_config, to_toml
+from meshrun.config.loader import (
+    all_keys,
+    apply_overrides,
+    config_from_dict,
+    load_config,
+    parse_override,
+    read_toml,
+    suggest_key,
+)
+from meshrun.config.sections import (
+    SECTIONS,
+    CheckpointSection,
+    DataSection,
+    JobConfig,
+    LaunchSection,
+    MetricsSection,
+    ModelSection,
+    OptimSection,
+    ParallelSection,
+    TrainSection,
+)
+
+__all__ = [
+    "SECTIONS",
+    "CheckpointSection",
+    "DataSection",
+    "JobConfig",
+    "LaunchSection",
+    "MetricsSection",
+    "ModelSection",
+    "OptimSection",
+    "ParallelSection",
+    "TrainSection",
+    "all_keys",
+    "apply_overrides",
+    "as_dict",
+    "config_from_dict",
+    "describe",
+    "load_config",
+    "parse_override",
+    "read_toml",
+    "save_config",
+    "suggest_key",
+    "to_toml",
+]

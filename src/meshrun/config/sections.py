@@ -1,0 +1,254 @@
+"""The typed sections of a `meshrun train` config; each one validates its own values.
+
+A component takes only its own section: `CheckpointManager(cfg.checkpoint, run_dir=...)`.
+Zero in a size field means "the named size's value"; each doc says what its 0 or "" means.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field, fields
+
+from meshrun.config.base import Section, doc_field, fmt
+from meshrun.errors import ConfigError
+
+DTYPES = ("fp32", "bf16")
+SCHEDULES = ("cosine", "constant", "linear")
+# Strategies the trainer implements; the N-D parallelism issue adds its own here.
+STRATEGIES = ("ddp",)
+PP_SCHEDULES = ("gpipe", "1f1b")
+_FACTORY = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
+_NNODES = re.compile(r"^(\d+)(?::(\d+))?$")
+
+
+@dataclass(frozen=True)
+class ModelSection(Section):
+    """The network: a named size, optionally overridden field by field."""
+
+    section = "model"
+    name: str = doc_field("tiny", "Named size: 'tiny', 'small', 'base', '1b' or '8b'; the size fields below override it.")
+    factory: str = doc_field("", "'' = the built-in Llama-style decoder; 'pkg.module:fn' = your fn(model_cfg, vocab_size) or fn() returns the nn.Module.")
+    vocab_size: int = doc_field(0, "Vocabulary size, at least the tokenizer's; 0 = the tokenizer's (byte: 256 + special tokens).")
+    dim: int = doc_field(0, "Width of the residual stream (embedding size); 0 = the named size's.")
+    n_layers: int = doc_field(0, "Transformer blocks; 0 = the named size's.")
+    n_heads: int = doc_field(0, "Attention (query) heads, a divisor of dim; 0 = the named size's.")
+    n_kv_heads: int = doc_field(0, "Key/value heads for grouped-query attention; 0 = the named size's (n_heads unless it says less).")
+    ffn_hidden: int = doc_field(0, "SwiGLU hidden width; 0 = auto (the named size's, about 8/3 x dim).")
+    max_seq_len: int = doc_field(0, "Longest sequence the RoPE tables cover, >= data.seq_len; 0 = the named size's.")
+    tie_embeddings: bool | None = doc_field(None, "Share one matrix between the token embedding and the output projection; 'auto' = the named size's.")
+    rope_theta: float = doc_field(0.0, "RoPE base frequency; 0 = the named size's (10000 unless it says otherwise).")
+    norm_eps: float = doc_field(0.0, "RMSNorm epsilon; 0 = the named size's (1e-5 unless it says otherwise).")
+    init_from: str = doc_field("", "Weights file to start from; '' = random initialisation seeded by train.seed.")
+
+    def validate(self) -> None:
+        self.require("name", bool(self.name.strip()), "a size name such as 'tiny'")
+        self.require("factory", not self.factory or bool(_FACTORY.match(self.factory)), "'' or 'pkg.module:function'")
+        for name in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden", "max_seq_len"):
+            self.at_least(name, 0, " (0 = the named size's)")
+        self.require("rope_theta", self.rope_theta >= 0, ">= 0 (0 = the named size's)")
+        self.require("norm_eps", self.norm_eps >= 0, ">= 0 (0 = the named size's)")
+        if self.dim and self.n_heads and self.dim % self.n_heads:
+            raise ConfigError(f"model.dim ({self.dim}) must be a multiple of model.n_heads ({self.n_heads})")
+        if self.n_heads and self.n_kv_heads and self.n_heads % self.n_kv_heads:
+            raise ConfigError(
+                f"model.n_heads ({self.n_heads}) must be a multiple of model.n_kv_heads ({self.n_kv_heads})"
+            )
+
+
+@dataclass(frozen=True)
+class DataSection(Section):
+    """What is read, how it is tokenized, and how much is held out for eval."""
+
+    section = "data"
+    path: str = doc_field("", "'' = the corpus built into meshrun; else a token directory from `meshrun data prepare`, or a .txt file.")
+    tokenizer: str = doc_field("byte", "'byte' = one token per UTF-8 byte (vocab 256); else a path to a local tokenizer.json.")
+    seq_len: int = doc_field(128, "Tokens per training sample (the context length).")
+    val_fraction: float = doc_field(0.05, "Share of the data held out for eval loss, 0 < x < 0.5.")
+    shuffle: bool = doc_field(True, "Reshuffle the sample order every epoch (seeded by train.seed).")
+    num_workers: int = doc_field(0, "DataLoader worker processes per rank; 0 = load in the training process.")
+
+    def validate(self) -> None:
+        ok = self.tokenizer == "byte" or self.tokenizer.endswith(".json")
+        self.require("tokenizer", ok, "'byte' or a path to a tokenizer.json file")
+        self.at_least("seq_len", 1)
+        self.require("val_fraction", 0 < self.val_fraction < 0.5, "> 0 and < 0.5")
+        self.at_least("num_workers", 0)
+
+
+@dataclass(frozen=True)
+class TrainSection(Section):
+    """The step loop: length, batch, precision, eval and logging cadence, where runs go."""
+
+    section = "train"
+    steps: int = doc_field(300, "Optimizer steps to run.")
+    batch_size: int = doc_field(16, "Samples per micro-batch on each data-parallel rank; global batch = this x grad_accum x ranks.")
+    grad_accum: int = doc_field(1, "Micro-batches per optimizer step; gradients sync on the last one only.")
+    dtype: str = doc_field("fp32", "'fp32', or 'bf16' for bf16 autocast (weights and optimizer state stay fp32).")
+    seed: int = doc_field(1337, "Seed for the initial weights and the data order; the same seed gives the same run.")
+    eval_interval: int = doc_field(100, "Steps between eval passes; 0 = only at the end.")
+    eval_steps: int = doc_field(20, "Batches per eval pass, on each rank.")
+    log_interval: int = doc_field(10, "Steps between progress updates on rank 0.")
+    grad_clip: float = doc_field(1.0, "Clip the global gradient norm to this; 0 = no clipping.")
+    activation_checkpointing: bool = doc_field(False, "Recompute each block's activations in backward: less memory, ~1/3 more compute.")
+    run_dir: str = doc_field("runs", "Directory that holds one directory per run.")
+    name: str = doc_field("", "Run name, its directory under run_dir; '' = the start time, e.g. 20250131-154210.")
+
+    def validate(self) -> None:
+        for name in ("steps", "batch_size", "grad_accum", "eval_steps", "log_interval"):
+            self.at_least(name, 1)
+        self.one_of("dtype", DTYPES)
+        self.at_least("seed", 0)
+        self.at_least("eval_interval", 0, " (0 = only at the end)")
+        self.at_least("grad_clip", 0, " (0 = off)")
+        self.require("run_dir", bool(self.run_dir), "a directory path")
+        self.require("name", "/" not in self.name and self.name not in (".", ".."), "a plain name (put directories in train.run_dir)")
+
+
+@dataclass(frozen=True)
+class OptimSection(Section):
+    """AdamW and its learning-rate schedule (linear warmup, then decay to min_lr)."""
+
+    section = "optim"
+    lr: float = doc_field(1e-3, "Peak learning rate, reached at the end of warmup.")
+    min_lr: float = doc_field(1e-4, "Learning rate at the last step (cosine/linear decay ends here); <= lr.")
+    weight_decay: float = doc_field(0.1, "AdamW decoupled weight decay, on weight matrices only.")
+    beta1: float = doc_field(0.9, "AdamW first-moment decay, in [0, 1).")
+    beta2: float = doc_field(0.95, "AdamW second-moment decay, in [0, 1).")
+    eps: float = doc_field(1e-8, "AdamW denominator epsilon, > 0.")
+    warmup_steps: int = doc_field(30, "Steps of linear warmup from 0 to lr; 0 = start at lr.")
+    schedule: str = doc_field("cosine", "After warmup: 'cosine' or 'linear' decay to min_lr, or 'constant' at lr.")
+
+    def validate(self) -> None:
+        self.require("lr", self.lr > 0, "> 0")
+        self.at_least("min_lr", 0)
+        self.require("min_lr", self.min_lr <= self.lr, f"<= optim.lr ({self.lr})")
+        self.at_least("weight_decay", 0)
+        for name in ("beta1", "beta2"):
+            self.require(name, 0 <= getattr(self, name) < 1, "in [0, 1)")
+        self.require("eps", self.eps > 0, "> 0")
+        self.at_least("warmup_steps", 0)
+        self.one_of("schedule", SCHEDULES)
+
+
+@dataclass(frozen=True)
+class ParallelSection(Section):
+    """How the model and batch spread over ranks; degrees are checked against the world size at start."""
+
+    section = "parallel"
+    strategy: str = doc_field("ddp", "'ddp' = every rank holds the whole model and gradients are all-reduced.")
+    dp_replicate: int = doc_field(-1, "Data-parallel replicas; -1 = the ranks left after the other degrees.")
+    dp_shard: int = doc_field(1, "Data-parallel shards (FSDP); 1 = no sharding, -1 = the ranks left.")
+    tp: int = doc_field(1, "Tensor-parallel degree (heads and FFN split over ranks); 1 = off.")
+    pp: int = doc_field(1, "Pipeline-parallel stages; 1 = off.")
+    pp_schedule: str = doc_field("gpipe", "Pipeline schedule: 'gpipe' or '1f1b'.")
+    pp_microbatches: int = doc_field(0, "Micro-batches per pipeline step; 0 = one per stage.")
+    fsdp_reshard_after_forward: bool = doc_field(True, "FSDP: free gathered parameters after forward and gather again in backward.")
+    param_dtype: str = doc_field("auto", "FSDP compute dtype of parameters: 'auto' = train.dtype, 'fp32' or 'bf16'.")
+    reduce_dtype: str = doc_field("fp32", "FSDP dtype of the gradient reduce-scatter: 'fp32' or 'bf16'.")
+
+    def validate(self) -> None:
+        self.one_of("strategy", STRATEGIES)
+        degrees = ("dp_replicate", "dp_shard", "tp", "pp")
+        for name in degrees:
+            self.require(name, getattr(self, name) == -1 or getattr(self, name) >= 1, ">= 1 or -1 (the ranks left)")
+        rest = [name for name in degrees if getattr(self, name) == -1]
+        if len(rest) > 1:
+            raise ConfigError(f"only one of parallel.{', parallel.'.join(degrees)} may be -1, got -1 for {', '.join(rest)}")
+        if self.strategy == "ddp":
+            for name in ("dp_shard", "tp", "pp"):
+                self.require(name, getattr(self, name) == 1, "1 with parallel.strategy = 'ddp' (it only replicates)")
+        self.one_of("pp_schedule", PP_SCHEDULES)
+        self.at_least("pp_microbatches", 0, " (0 = one per stage)")
+        self.one_of("param_dtype", ("auto", *DTYPES))
+        self.one_of("reduce_dtype", DTYPES)
+
+
+@dataclass(frozen=True)
+class CheckpointSection(Section):
+    """Saving during training and resuming; the final weights are saved either way."""
+
+    section = "checkpoint"
+    interval: int = doc_field(0, "Steps between checkpoints; 0 = none during training.")
+    keep: int = doc_field(3, "Checkpoints kept on disk; older ones are deleted.")
+    async_save: bool = doc_field(False, "Write checkpoints in the background while training goes on.")
+    resume: str = doc_field("auto", "'auto' = from the run's latest checkpoint if any, 'never', or a checkpoint path.")
+
+    def validate(self) -> None:
+        self.at_least("interval", 0, " (0 = off)")
+        self.at_least("keep", 1)
+        self.require("resume", bool(self.resume), "'auto', 'never' or a checkpoint path")
+
+
+@dataclass(frozen=True)
+class MetricsSection(Section):
+    """What is recorded in the run directory, and how often."""
+
+    section = "metrics"
+    interval: int = doc_field(10, "Steps between metric rows (loss, lr, grad norm, tokens/s, step time, memory).")
+    tensorboard: bool = doc_field(True, "Also write TensorBoard events, when tensorboard is installed.")
+    jsonl: bool = doc_field(True, "Write <run dir>/metrics.jsonl, one JSON object per row.")
+
+    def validate(self) -> None:
+        self.at_least("interval", 1)
+
+
+@dataclass(frozen=True)
+class LaunchSection(Section):
+    """How workers start: the torchrun options that `meshrun train` passes to the launcher."""
+
+    section = "launch"
+    nproc_per_node: str = doc_field("auto", "Worker processes per node: 'auto' = one per GPU, else 2-4 on CPU; or a number.", int_ok=True)
+    max_restarts: int = doc_field(0, "Times all workers restart after a failure before the job fails.")
+    nnodes: str = doc_field("1", "Nodes: N, or MIN:MAX for an elastic job.", int_ok=True)
+    rdzv_endpoint: str = doc_field("", "HOST:PORT of the rendezvous for several nodes; '' = a free local port on one node.")
+    rdzv_id: str = doc_field("none", "Job id that every node of one job shares.", int_ok=True)
+    rdzv_backend: str = doc_field("static", "Rendezvous backend as in torchrun: 'static' or 'c10d' (one node picks c10d itself).")
+
+    def validate(self) -> None:
+        n = self.nproc_per_node
+        if not (n == "auto" or (n.isdigit() and int(n) >= 1)):
+            shown = n if n.lstrip("-").isdigit() else fmt(n)
+            raise ConfigError(f"launch.nproc_per_node must be 'auto' or >= 1, got {shown}")
+        self.at_least("max_restarts", 0)
+        m = _NNODES.match(self.nnodes)
+        ok = bool(m) and 1 <= int(m[1]) <= int(m[2] or m[1])
+        self.require("nnodes", ok, "N or MIN:MAX with 1 <= MIN <= MAX (e.g. 2 or 1:4)")
+        self.require("rdzv_backend", bool(self.rdzv_backend), "a rendezvous backend such as 'static' or 'c10d'")
+
+
+@dataclass(frozen=True)
+class JobConfig:
+    """One `meshrun train` job: every section, each validated, plus checks that span two."""
+
+    model: ModelSection = field(default_factory=ModelSection, metadata={"doc": ModelSection.__doc__})
+    data: DataSection = field(default_factory=DataSection, metadata={"doc": DataSection.__doc__})
+    train: TrainSection = field(default_factory=TrainSection, metadata={"doc": TrainSection.__doc__})
+    optim: OptimSection = field(default_factory=OptimSection, metadata={"doc": OptimSection.__doc__})
+    parallel: ParallelSection = field(default_factory=ParallelSection, metadata={"doc": ParallelSection.__doc__})
+    checkpoint: CheckpointSection = field(default_factory=CheckpointSection, metadata={"doc": CheckpointSection.__doc__})
+    metrics: MetricsSection = field(default_factory=MetricsSection, metadata={"doc": MetricsSection.__doc__})
+    launch: LaunchSection = field(default_factory=LaunchSection, metadata={"doc": LaunchSection.__doc__})
+
+    def __post_init__(self) -> None:
+        for name, cls in SECTIONS.items():
+            if not isinstance(getattr(self, name), cls):
+                raise ConfigError(f"{name} must be a {cls.__name__}, got {fmt(getattr(self, name))}")
+        model, data = self.model, self.data
+        if model.max_seq_len and data.seq_len > model.max_seq_len:
+            raise ConfigError(
+                f"data.seq_len ({data.seq_len}) must be <= model.max_seq_len ({model.max_seq_len}); "
+                "raise model.max_seq_len or set it to 0 (the named size's)"
+            )
+
+
+SECTIONS: dict[str, type[Section]] = {
+    "model": ModelSection,
+    "data": DataSection,
+    "train": TrainSection,
+    "optim": OptimSection,
+    "parallel": ParallelSection,
+    "checkpoint": CheckpointSection,
+    "metrics": MetricsSection,
+    "launch": LaunchSection,
+}
+assert list(SECTIONS) == [f.name for f in fields(JobConfig)], "SECTIONS must list JobConfig's fields in order"

@@ -1,0 +1,32 @@
+"""Training metrics: the jsonl/TensorBoard sink, rank 0's progress bar, memory, MFU and step timing."""
+
+from __future__ import annotations
+
+from meshrun.metrics.logger import METRICS_FILE, RANKS_DIR, MetricsLogger, rank_file
+from meshrun.metrics.progress import ProgressBar
+from meshrun.metrics.system import (
+    StepTimer,
+    StepTiming,
+    device_peak_flops,
+    mfu,
+    peak_flops_for_name,
+    peak_memory_bytes,
+    peak_memory_kind,
+    transformer_flops_per_token,
+)
+
+__all__ = [
+    "METRICS_FILE",
+    "RANKS_DIR",
+    "MetricsLogger",
+    "ProgressBar",
+    "StepTimer",
+    "StepTiming",
+    "device_peak_flops",
+    "mfu",
+    "peak_flops_for_name",
+    "peak_memory_bytes",
+    "peak_memory_kind",
+    "rank_file",
+    "transformer_flops_per_token",
+]

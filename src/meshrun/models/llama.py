@@ -1,0 +1,361 @@
+"""The built-in Llama-style decoder: RMSNorm, RoPE, SwiGLU, grouped-query attention, tied embeddings.
+
+Shapes follow Meta's Llama reference and torchtitan's ``llama3`` model so that parallel plans can
+address blocks by name: ``tok_embeddings``, ``layers.<i>.attention.{wq,wk,wv,wo}``,
+``layers.<i>.feed_forward.{w1,w2,w3}``, ``layers.<i>.{attention_norm,ffn_norm}``, ``norm``,
+``output``. ``layers`` is an ``nn.ModuleDict`` keyed ``"0".."N-1"``, so a pipeline stage can delete
+blocks (and set ``tok_embeddings``/``norm``/``output`` to None) and keep the original names.
+
+Papers: Llama (arXiv:2302.13971), RoPE (arXiv:2104.09864), SwiGLU (arXiv:2002.05202),
+GQA (arXiv:2305.13245), RMSNorm (arXiv:1910.07467).
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import zlib
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from meshrun.errors import ModelError
+
+# Llama rounds the SwiGLU width up to a multiple of 256; 64 keeps the tiny sizes tight
+# (dim 128 -> 384 instead of 512) and is still a friendly GEMM width on GPUs.
+FFN_MULTIPLE_OF = 64
+
+
+def auto_ffn_hidden(dim: int, multiple_of: int = FFN_MULTIPLE_OF) -> int:
+    """Llama's SwiGLU width: 2/3 of 4*dim (same FLOPs as a 4*dim GELU MLP), rounded up."""
+    hidden = int(2 * (4 * dim) / 3)
+    return multiple_of * math.ceil(hidden / multiple_of)
+
+
+@dataclass
+class ModelArgs:
+    """Shape of the built-in decoder. Values are validated here; errors name the ``model.`` key."""
+
+    vocab_size: int = 259
+    """Number of token ids (embedding rows and logits)."""
+    dim: int = 128
+    """Width of the residual stream."""
+    n_layers: int = 4
+    """Number of transformer blocks."""
+    n_heads: int = 4
+    """Query heads; ``dim`` must be divisible by it (head_dim = dim // n_heads, even for RoPE)."""
+    n_kv_heads: int = 0
+    """Key/value heads for grouped-query attention; must divide n_heads. 0 = n_heads (plain MHA)."""
+    ffn_hidden: int = 0
+    """SwiGLU hidden width. 0 = auto: 2/3 * 4 * dim rounded up to a multiple of 64."""
+    max_seq_len: int = 256
+    """Longest sequence; the RoPE tables are precomputed for this many positions."""
+    tie_embeddings: bool = False
+    """Share one matrix between the token embedding and the output projection."""
+    rope_theta: float = 10000.0
+    """RoPE base frequency (Llama 2: 1e4, Llama 3: 5e5)."""
+    norm_eps: float = 1e-5
+    """RMSNorm epsilon."""
+
+    def __post_init__(self) -> None:
+        # 0 means "derive it": resolve now so that a printed/saved config shows the real width.
+        # (dataclasses.replace(args, dim=...) keeps the resolved values; rebuild from a dict instead.)
+        for key in ("vocab_size", "dim", "n_layers", "n_heads", "max_seq_len"):
+            _check_positive_int(key, getattr(self, key))
+        for key in ("n_kv_heads", "ffn_hidden"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ModelError(f"model.{key} must be an integer >= 0 (0 = auto), got {value!r}")
+        if self.n_kv_heads == 0:
+            self.n_kv_heads = self.n_heads
+        if self.ffn_hidden == 0:
+            self.ffn_hidden = auto_ffn_hidden(self.dim)
+        if self.n_heads % self.n_kv_heads:
+            raise ModelError(
+                f"model.n_kv_heads={self.n_kv_heads} must divide model.n_heads={self.n_heads}"
+            )
+        if self.dim % self.n_heads:
+            raise ModelError(
+                f"model.dim={self.dim} must be divisible by model.n_heads={self.n_heads}"
+            )
+        if self.head_dim % 2:
+            raise ModelError(
+                f"model.dim / model.n_heads = {self.head_dim} must be even for RoPE; "
+                "change model.dim or model.n_heads"
+            )
+        for key in ("rope_theta", "norm_eps"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+                raise ModelError(f"model.{key} must be a number > 0, got {value!r}")
+        if not isinstance(self.tie_embeddings, bool):
+            raise ModelError(
+                f"model.tie_embeddings must be true or false, got {self.tie_embeddings!r}"
+            )
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    def num_params(self, exclude_embeddings: bool = False) -> int:
+        """Parameter count computed from the shapes (no weights needed); equals ``num_params(model)``."""
+        hd = self.head_dim
+        attn = self.dim * hd * (2 * self.n_heads + 2 * self.n_kv_heads)
+        ffn = 3 * self.dim * self.ffn_hidden
+        per_layer = attn + ffn + 2 * self.dim  # + attention_norm, ffn_norm
+        n = self.n_layers * per_layer + self.dim  # + final norm
+        embedding = self.vocab_size * self.dim
+        if not self.tie_embeddings:
+            n += embedding  # the separate output projection
+        if not exclude_embeddings:
+            n += embedding  # the token embedding (the shared matrix, when tied)
+        return n
+
+
+def _check_positive_int(key: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ModelError(f"model.{key} must be an integer > 0, got {value!r}")
+
+
+def rope_tables(
+    head_dim: int, max_seq_len: int, theta: float, device=None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin of the RoPE angles, each (max_seq_len, head_dim // 2), in float32 (arXiv:2104.09864)."""
+    freqs = 1.0 / (
+        theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
+    )
+    t = torch.arange(max_seq_len, device=device, dtype=torch.float32)
+    angles = torch.outer(t, freqs)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate consecutive pairs (x[2i], x[2i+1]) of x: (B, T, H, head_dim) by position; cos/sin: (T, head_dim/2).
+
+    Same pairing as Meta's complex-number reference, so its checkpoints load unpermuted.
+    """
+    xf = x.float().unflatten(-1, (-1, 2))
+    x0, x1 = xf[..., 0], xf[..., 1]
+    cos = cos[None, :, None, :]
+    sin = sin[None, :, None, :]
+    out = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1)
+    return out.flatten(-2).type_as(x)
+
+
+class Attention(nn.Module):
+    """Causal self-attention with grouped-query heads (arXiv:2305.13245)."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.head_dim = args.head_dim
+        self.wq = nn.Linear(args.dim, args.n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        bsz, seqlen, _ = x.shape
+        # -1 heads: under tensor parallel each rank holds only its share of the heads.
+        q = self.wq(x).view(bsz, seqlen, -1, self.head_dim)
+        k = self.wk(x).view(bsz, seqlen, -1, self.head_dim)
+        v = self.wv(x).view(bsz, seqlen, -1, self.head_dim)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, H, T, head_dim)
+        n_rep = q.shape[1] // k.shape[1]
+        if n_rep > 1:
+            # Explicit repeat (as torchtitan's repeat_kv) rather than enable_gqa: works on every
+            # SDPA backend and under DTensor.
+            k = k.repeat_interleave(n_rep, dim=1)
+            v = v.repeat_interleave(n_rep, dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
+
+
+class FeedForward(nn.Module):
+    """SwiGLU MLP: w2(silu(w1 x) * w3 x) (arXiv:2002.05202)."""
+
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    """Pre-norm block: h = x + attention(norm(x)); out = h + feed_forward(norm(h))."""
+
+    def __init__(self, layer_id: int, args: ModelArgs):
+        super().__init__()
+        self.layer_id = layer_id  # kept for depth-scaled init after PP removes earlier blocks
+        self.attention_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.attention = Attention(args)
+        self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.feed_forward = FeedForward(args.dim, args.ffn_hidden)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), cos, sin)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Transformer(nn.Module):
+    """Decoder-only transformer: ``model(tokens) -> logits`` of shape (B, T, vocab_size).
+
+    For pipeline stages, any of ``tok_embeddings``, ``norm`` and ``output`` may be set to None and
+    blocks deleted from ``layers``: without ``tok_embeddings`` the input is hidden states
+    (B, T, dim); without ``output`` the result is hidden states. ``seed`` is passed to
+    ``init_weights`` (None: drawn from torch's default generator).
+    """
+
+    def __init__(self, args: ModelArgs, *, seed: int | None = None):
+        super().__init__()
+        self.args = args
+        self.tok_embeddings: nn.Embedding | None = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleDict(
+            {str(i): TransformerBlock(i, args) for i in range(args.n_layers)}
+        )
+        self.norm: nn.RMSNorm | None = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.output: nn.Linear | None = nn.Linear(args.dim, args.vocab_size, bias=False)
+        if args.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        # Non-persistent: derived from args, so never in a checkpoint and cheap to rebuild.
+        cos, sin = rope_tables(args.head_dim, args.max_seq_len, args.rope_theta)
+        self.register_buffer("freqs_cos", cos, persistent=False)
+        self.register_buffer("freqs_sin", sin, persistent=False)
+        self.init_weights(seed)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        seqlen = h.shape[1]
+        if seqlen > self.freqs_cos.shape[0]:
+            raise ModelError(
+                f"sequence length {seqlen} exceeds model.max_seq_len={self.freqs_cos.shape[0]}; "
+                "raise model.max_seq_len or shorten the sequences"
+            )
+        cos, sin = self.freqs_cos[:seqlen], self.freqs_sin[:seqlen]
+        for layer in self.layers.values():
+            h = layer(h, cos, sin)
+        if self.norm is not None:
+            h = self.norm(h)
+        return self.output(h) if self.output is not None else h
+
+    def reset_rope(self) -> None:
+        """Recompute the RoPE tables in float32 on the buffers' device (after ``to_empty``)."""
+        device = self.freqs_cos.device
+        cos, sin = rope_tables(
+            self.args.head_dim, self.args.max_seq_len, self.args.rope_theta, device
+        )
+        self.freqs_cos, self.freqs_sin = cos, sin
+
+    def _apply(self, fn, recurse=True):
+        # model.to(torch.bfloat16) would also round the RoPE angles; keep them float32.
+        super()._apply(fn, recurse)
+        if self.freqs_cos.dtype != torch.float32:
+            self.reset_rope()
+        return self
+
+    @torch.no_grad()
+    def init_weights(self, seed: int | None = None) -> None:
+        """Deterministic init; the same seed gives the same weights in every process and layout.
+
+        Each weight is drawn on the CPU from its own generator, seeded by (seed, parameter name),
+        then copied in. So the values do not depend on the device, on which blocks this pipeline
+        stage holds, or on how tensor/FSDP parallel shards it (DTensor parameters receive their
+        local shard of the same full tensor, without communication).
+
+        Scheme (GPT-2 / torchtitan): truncated normal (+-3 std) with std 0.02; the projections
+        that write into the residual stream (``wo``, ``w2``) and ``w3`` use torchtitan's depth init
+        std 0.02 / sqrt(2 * (layer_id + 1)), so deeper blocks start smaller. Norm weights are 1.
+        ``seed=None`` draws the seed from torch's default generator (follows ``torch.manual_seed``).
+        Also recomputes the RoPE tables, so ``to_empty()`` + ``init_weights()`` completes a
+        meta-device build.
+        """
+        if seed is None:
+            seed = int(torch.randint(0, 2**62, (1,), device="cpu").item())
+        if self.freqs_cos.device.type != "meta":
+            self.reset_rope()
+        std = 0.02
+        if self.tok_embeddings is not None:
+            _init("tok_embeddings.weight", self.tok_embeddings.weight, seed, std)
+        for key, block in self.layers.items():
+            depth_std = std / math.sqrt(2 * (block.layer_id + 1))
+            prefix = f"layers.{key}."
+            for name in ("wq", "wk", "wv", "wo"):
+                _init(
+                    f"{prefix}attention.{name}.weight",
+                    getattr(block.attention, name).weight,
+                    seed,
+                    depth_std if name == "wo" else std,
+                )
+            for name in ("w1", "w2", "w3"):
+                _init(
+                    f"{prefix}feed_forward.{name}.weight",
+                    getattr(block.feed_forward, name).weight,
+                    seed,
+                    std if name == "w1" else depth_std,
+                )
+            block.attention_norm.reset_parameters()
+            block.ffn_norm.reset_parameters()
+        if self.norm is not None:
+            self.norm.reset_parameters()
+        if self.output is not None:
+            if not self.args.tie_embeddings:
+                _init("output.weight", self.output.weight, seed, std)
+            elif (
+                self.tok_embeddings is None or self.output.weight is not self.tok_embeddings.weight
+            ):
+                # A last pipeline stage holds its own copy of the tied matrix: same values.
+                _init("tok_embeddings.weight", self.output.weight, seed, std)
+
+
+def _init(name: str, param: torch.Tensor, seed: int, std: float) -> None:
+    """Fill ``param`` with trunc_normal(0, std, +-3 std) from a generator keyed by (seed, name)."""
+    if param.device.type == "meta":
+        return
+    gen = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % 2**63)
+    full = torch.empty(param.shape, dtype=torch.float32)
+    nn.init.trunc_normal_(full, 0.0, std, -3 * std, 3 * std, generator=gen)
+    param.copy_(_like(full, param))
+
+
+def _like(full: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """``full`` as the same kind of tensor as ``param`` (a DTensor gets its local shard)."""
+    # Only look for DTensor when something already imported it: the import costs seconds.
+    if "torch.distributed.tensor" in sys.modules:
+        from torch.distributed.tensor import DTensor, distribute_tensor
+
+        if isinstance(param, DTensor):
+            # src_data_rank=None: every rank holds the same full tensor, so shard locally.
+            full = full.to(device=param.device, dtype=param.dtype)
+            return distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
+    return full.to(device=param.device, dtype=param.dtype)
+
+
+def num_params(model: nn.Module, exclude_embeddings: bool = False) -> int:
+    """Number of distinct parameters (tied weights counted once; DTensors by global size).
+
+    ``exclude_embeddings`` leaves out the weights of ``nn.Embedding`` modules (the token
+    embedding, and with it a tied output projection), as in Kaplan et al. (arXiv:2001.08361).
+    """
+    skip = set()
+    if exclude_embeddings:
+        skip = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    return sum(p.numel() for p in model.parameters() if id(p) not in skip)
+
+
+def flops_per_token(args: ModelArgs, seq_len: int) -> int:
+    """Training FLOPs per token (forward + backward): 6 N + 12 L H Q T.
+
+    The estimate of PaLM (arXiv:2204.02311, appendix B) used by nanoGPT's ``estimate_mfu`` and
+    torchtitan: N counts the matmul parameters (the embedding lookup is free, but the output
+    projection is a matmul, so it is counted even when tied); 12 L H Q T is attention's
+    QK^T and AV with L layers, H heads, head size Q and sequence length T (the causal mask is
+    not discounted, as in PaLM).
+    """
+    n = args.num_params(exclude_embeddings=True)
+    if args.tie_embeddings:
+        n += args.vocab_size * args.dim
+    return 6 * n + 12 * args.n_layers * args.n_heads * args.head_dim * seq_len

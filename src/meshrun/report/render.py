@@ -1,0 +1,413 @@
+"""Render a run's curves (loss, throughput, per-rank step times) as PNG, or SVG, plus one report.html.
+
+    meshrun report runs/<name> [--out DIR]
+
+PNGs need matplotlib (`pip install matplotlib`); without it the same charts are drawn as
+hand-written SVG inside the HTML, so a report is always produced.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import json
+import logging
+import math
+import statistics
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from meshrun.errors import MeshrunError
+from meshrun.metrics.logger import METRICS_FILE, RANKS_DIR
+from meshrun.report.charts import (
+    Chart,
+    Series,
+    format_number,
+    matplotlib_available,
+    render_png,
+    render_svg,
+)
+
+logger = logging.getLogger(__name__)
+
+STRAGGLER_RATIO = 1.10  # slowest/fastest median above this names a straggler
+RANK_WARMUP_STEPS = 2  # first records of each rank left out of its median (set-up, first collectives)
+MAX_RANK_LINES = 8  # more ranks than this: plot the slowest, the fastest and the median across ranks
+
+
+class ReportError(MeshrunError):
+    """The run directory or its metrics cannot be read."""
+
+
+def _seconds(value: float) -> str:
+    return f"{value * 1000:.3g} ms" if value < 1 else f"{value:.3g} s"
+
+
+@dataclass
+class RunData:
+    """What a run directory holds: rank 0's records and each rank's step times."""
+
+    name: str
+    train: list[dict[str, Any]]
+    eval: list[dict[str, Any]]
+    meta: dict[str, Any]
+    ranks: dict[int, list[dict[str, Any]]]
+    skipped_lines: int = 0
+
+
+@dataclass
+class RankStats:
+    rank: int
+    num_steps: int
+    median_step_s: float
+    p90_step_s: float
+    median_data_s: float | None = None
+    median_compute_s: float | None = None
+    peak_mem_bytes: int | None = None
+
+
+@dataclass
+class Straggler:
+    """The slowest and the fastest rank by `metric`, and whether the gap makes a straggler."""
+
+    slowest: int
+    fastest: int
+    slowest_s: float
+    fastest_s: float
+    metric: str
+    is_straggler: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.is_straggler = self.ratio >= STRAGGLER_RATIO
+
+    @property
+    def ratio(self) -> float:
+        return self.slowest_s / self.fastest_s if self.fastest_s > 0 else math.inf
+
+    @property
+    def note(self) -> str:
+        what = "step time" if self.metric == "step_time_s" else "local work (data + compute)"
+        gap = (f"median {what} {_seconds(self.slowest_s)} vs {_seconds(self.fastest_s)} on rank "
+               f"{self.fastest} ({self.ratio:.2f}x)")
+        if self.is_straggler:
+            return f"rank {self.slowest} is a straggler: {gap}"
+        return f"ranks are balanced: slowest rank {self.slowest}, {gap}"
+
+
+def _read_jsonl(path: Path) -> tuple[list[dict[str, Any]], int]:
+    """The JSON objects of a .jsonl file and how many non-empty lines were not one."""
+    records, bad = [], 0
+    with path.open(encoding="utf-8", errors="replace") as stream:
+        for line in stream:
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                bad += 1  # typically the half-written last line of a crashed run
+                continue
+            if isinstance(record, dict) and (record.get("kind") == "meta" or isinstance(record.get("step"), int)):
+                records.append(record)
+            else:
+                bad += 1
+    return records, bad
+
+
+def _by_step(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Sorted by step, keeping the last record of a step (a resumed run logs its steps again)."""
+    return sorted({record["step"]: record for record in records}.values(), key=lambda r: r["step"])
+
+
+def load_run(run_dir: str | Path) -> RunData:
+    """Read runs/<name>/metrics.jsonl and ranks/*.jsonl; ReportError when there is nothing to show."""
+    run_dir = Path(run_dir)
+    if run_dir.is_file() and run_dir.name == METRICS_FILE:
+        run_dir = run_dir.parent
+    if not run_dir.exists():
+        raise ReportError(f"run directory {run_dir} does not exist: pass the runs/<name> directory "
+                          f"that `meshrun train` wrote")
+    if not run_dir.is_dir():
+        raise ReportError(f"{run_dir} is not a directory: pass a run directory such as runs/<name>")
+    path = run_dir / METRICS_FILE
+    if not path.is_file():
+        raise ReportError(f"{path} not found: {run_dir} is not a meshrun run directory "
+                          f"(rank 0 writes {METRICS_FILE} during `meshrun train`)")
+    records, bad = _read_jsonl(path)
+    if not records and not bad:
+        raise ReportError(f"{path} is empty: the run stopped before it logged its first step")
+    kinds: dict[str, list[dict[str, Any]]] = {"train": [], "eval": [], "meta": []}
+    for record in records:
+        kind = record.get("kind") or ("eval" if "eval_loss" in record else "train")
+        kinds.setdefault(kind, []).append(record)
+    if not kinds["train"] and not kinds["eval"]:
+        raise ReportError(f"{path} has no train or eval records ({bad} malformed lines skipped): "
+                          f"expected one JSON object per line with a \"step\"")
+    ranks = {}
+    for rank_path in sorted((run_dir / RANKS_DIR).glob("rank*.jsonl")):
+        suffix = rank_path.stem.removeprefix("rank")
+        if suffix.isdigit():
+            rows, rank_bad = _read_jsonl(rank_path)
+            bad += rank_bad
+            rows = [r for r in rows if isinstance(r.get("step_time_s"), (int, float))]
+            if rows:
+                ranks[int(suffix)] = _by_step(rows)
+    if bad:
+        logger.info("skipped %d malformed lines in %s", bad, run_dir)
+    meta: dict[str, Any] = {}
+    for record in kinds["meta"]:
+        meta.update(record)
+    return RunData(name=run_dir.resolve().name, train=_by_step(kinds["train"]),
+                   eval=_by_step(kinds["eval"]), meta=meta, ranks=dict(sorted(ranks.items())),
+                   skipped_lines=bad)
+
+
+def _numbers(rows: list[dict[str, Any]], key: str) -> list[float]:
+    return [row[key] for row in rows if isinstance(row.get(key), (int, float))]
+
+
+def _median_of(rows: list[dict[str, Any]], key: str) -> float | None:
+    values = _numbers(rows, key)
+    return statistics.median(values) if values else None
+
+
+def rank_stats(ranks: dict[int, list[dict[str, Any]]]) -> list[RankStats]:
+    """Per-rank medians, leaving out each rank's first RANK_WARMUP_STEPS records."""
+    stats = []
+    for rank, rows in ranks.items():
+        rows = rows[RANK_WARMUP_STEPS:] if len(rows) > RANK_WARMUP_STEPS else rows
+        times = sorted(row["step_time_s"] for row in rows)
+        stats.append(RankStats(rank=rank, num_steps=len(ranks[rank]), median_step_s=statistics.median(times),
+                               p90_step_s=times[min(len(times) - 1, int(0.9 * len(times)))],
+                               median_data_s=_median_of(rows, "data_time_s"),
+                               median_compute_s=_median_of(rows, "compute_time_s"),
+                               peak_mem_bytes=max(_numbers(ranks[rank], "peak_mem_bytes"), default=None)))
+    return stats
+
+
+def find_straggler(stats: list[RankStats]) -> Straggler | None:
+    """The slowest rank against the fastest; None with fewer than two ranks.
+
+    Synchronous training makes every rank's step time equal (the fast ranks wait for the slow
+    one inside the collective), so when every rank logged `compute_time_s` the comparison uses
+    rank-local work (data + compute) instead, which still shows who is slow.
+    """
+    if len(stats) < 2:
+        return None
+    if all(s.median_compute_s is not None for s in stats):
+        metric = "local_time_s"
+        value = {s.rank: s.median_compute_s + (s.median_data_s or 0.0) for s in stats}
+    else:
+        metric, value = "step_time_s", {s.rank: s.median_step_s for s in stats}
+    slowest, fastest = max(value, key=value.get), min(value, key=value.get)
+    return Straggler(slowest=slowest, fastest=fastest, slowest_s=value[slowest],
+                     fastest_s=value[fastest], metric=metric)
+
+
+def _series(records: list[dict[str, Any]], key: str, label: str, **style: Any) -> Series | None:
+    points = [(r["step"], r[key]) for r in records if isinstance(r.get(key), (int, float))]
+    return Series(label, [p[0] for p in points], [p[1] for p in points], **style) if points else None
+
+
+def _local_time_s(row: dict[str, Any]) -> float | None:
+    """Rank-local work of one step: compute_time_s plus data_time_s when logged."""
+    compute, data = row.get("compute_time_s"), row.get("data_time_s")
+    if not isinstance(compute, (int, float)):
+        return None
+    return compute + (data if isinstance(data, (int, float)) else 0.0)
+
+
+def _rank_chart(run: RunData, straggler: Straggler | None) -> Chart:
+    """One line per rank of the straggler metric; with many ranks, the extremes and the median."""
+    local = straggler is not None and straggler.metric == "local_time_s"
+    points = {rank: [(row["step"], _local_time_s(row) if local else row["step_time_s"]) for row in rows]
+              for rank, rows in run.ranks.items()}
+    points = {rank: [(x, y) for x, y in pts if y is not None] for rank, pts in points.items()}
+    series = [Series(f"rank {rank}", [x for x, _ in pts], [y for _, y in pts]) for rank, pts in points.items()]
+    if len(series) > MAX_RANK_LINES and straggler is not None:
+        by_step: dict[int, list[float]] = {}
+        for pts in points.values():
+            for x, y in pts:
+                by_step.setdefault(x, []).append(y)
+        steps = sorted(by_step)
+        keep = {f"rank {straggler.slowest}", f"rank {straggler.fastest}"}
+        series = [s for s in series if s.label in keep] + [
+            Series(f"median of {len(points)} ranks", steps, [statistics.median(by_step[x]) for x in steps])]
+    note = straggler.note if straggler else ("one rank: nothing to compare" if run.ranks
+                                             else f"no {RANKS_DIR}/rank<N>.jsonl files")
+    title = "Local work per rank (data + compute)" if local else "Step time per rank"
+    return Chart("ranks", title, "step", "seconds", [s for s in series if s.xs], note, y_from_zero=True)
+
+
+def build_charts(run: RunData, straggler: Straggler | None) -> list[Chart]:
+    """The three charts: loss.{png,svg}, throughput.{png,svg} and ranks.{png,svg}."""
+    loss = [s for s in (_series(run.train, "loss", "train loss"),
+                        _series(run.eval, "eval_loss", "eval loss", markers=True)) if s]
+    mfus = [r["mfu"] for r in run.train if isinstance(r.get("mfu"), (int, float))]
+    throughput = [s for s in (_series(run.train, "tokens_per_s", "tokens/s"),) if s]
+    return [
+        Chart("loss", "Loss", "step", "loss", loss, None if loss else "no loss values logged"),
+        Chart("throughput", "Throughput", "step", "tokens/s", throughput,
+              f"median MFU {statistics.median(mfus):.1%}" if mfus else None, y_from_zero=True),
+        _rank_chart(run, straggler),
+    ]
+
+
+def _meta_value(key: str, value: Any) -> str:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return str(value)
+    if key.endswith("_bytes"):
+        return f"{value / 2**30:.2f} GiB"
+    return str(value) if isinstance(value, int) and abs(value) < 10**6 else format_number(value)
+
+
+def summary_rows(run: RunData, stats: list[RankStats], straggler: Straggler | None) -> list[tuple[str, str]]:
+    """(label, value) rows of the summary table."""
+    rows = [("run", run.name)]
+    rows += [(key, _meta_value(key, value)) for key, value in run.meta.items()
+             if key not in ("kind", "time", "event") and isinstance(value, (str, int, float, bool))]
+    if run.train:
+        rows.append(("steps", f"{run.train[-1]['step']} ({len(run.train)} train records)"))
+        losses = [r["loss"] for r in run.train if isinstance(r.get("loss"), (int, float))]
+        if losses:
+            rows.append(("train loss", f"{losses[0]:.4f} first, {losses[-1]:.4f} final"))
+    evals = [r for r in run.eval if isinstance(r.get("eval_loss"), (int, float))]
+    if evals:
+        best = min(evals, key=lambda r: r["eval_loss"])
+        rows.append(("eval loss", f"{evals[-1]['eval_loss']:.4f} final (step {evals[-1]['step']}), "
+                                  f"{best['eval_loss']:.4f} best (step {best['step']}), "
+                                  f"{evals[0]['eval_loss']:.4f} first"))
+    for key, label, fmt in (("tokens_per_s", "median tokens/s", format_number),
+                            ("step_time_s", "median step time", lambda v: f"{v:.4g} s"),
+                            ("mfu", "median MFU", lambda v: f"{v:.1%}")):
+        value = _median_of(run.train, key)
+        if value is not None:
+            rows.append((label, fmt(value)))
+    peaks = [r for r in run.train if isinstance(r.get("peak_mem_bytes"), (int, float))]
+    if peaks:
+        peak = max(peaks, key=lambda r: r["peak_mem_bytes"])
+        rows.append(("peak memory", f"{peak['peak_mem_bytes'] / 2**30:.2f} GiB "
+                                    f"({peak.get('peak_mem_kind', 'unknown kind')}, rank 0)"))
+    if stats:
+        rows.append(("ranks", f"{len(stats)} with step times"))
+    mems = {s.rank: s.peak_mem_bytes for s in stats if s.peak_mem_bytes is not None}
+    if mems:
+        top, low = max(mems, key=mems.get), min(mems, key=mems.get)
+        rows.append(("peak memory per rank", f"max {mems[top] / 2**30:.2f} GiB on rank {top}, "
+                                             f"min {mems[low] / 2**30:.2f} GiB on rank {low}"))
+    if straggler:
+        rows.append(("slowest rank", straggler.note))
+    times = [r["time"] for r in run.train + run.eval if isinstance(r.get("time"), (int, float))]
+    if len(times) > 1:
+        rows.append(("wall time", f"{max(times) - min(times):.1f} s between the first and last record"))
+    if run.skipped_lines:
+        rows.append(("skipped lines", f"{run.skipped_lines} (not JSON, or no step)"))
+    return rows
+
+
+_PAGE = """<!doctype html>
+<html><head><meta charset="utf-8"><title>meshrun report: {name}</title>
+<style>body{{font-family:system-ui,sans-serif;margin:2em;max-width:60em;color:#222}}
+table{{border-collapse:collapse;margin:1em 0}}td,th{{border:1px solid #ccc;padding:.3em .6em;text-align:left}}
+th{{background:#f4f4f4}}figure{{margin:1.5em 0}}img,svg{{max-width:100%;height:auto}}
+.note{{color:#555;font-size:.9em}}</style></head><body>
+<h1>meshrun report: {name}</h1>
+<table>{summary}</table>
+{figures}
+<h2>Ranks</h2>
+{ranks}
+</body></html>
+"""
+
+
+def _figure(chart: Chart, image: Path | None) -> str:
+    if image is None:
+        body = render_svg(chart)
+    else:  # inline so the page travels alone; the link opens the file next to it
+        data = base64.b64encode(image.read_bytes()).decode("ascii")
+        body = (f'<a href="{html.escape(image.name)}"><img alt="{html.escape(chart.title)}" '
+                f'src="data:image/png;base64,{data}"></a>')
+    note = f'<figcaption class="note">{html.escape(chart.note)}</figcaption>' if chart.note else ""
+    return f"<figure>{body}{note}</figure>"
+
+
+def _rank_table(stats: list[RankStats]) -> str:
+    if not stats:
+        return '<p class="note">No per-rank step times were logged.</p>'
+
+    def value_of(stat: RankStats, key: str) -> float | None:
+        if key == "peak_mem_gib":
+            return None if stat.peak_mem_bytes is None else stat.peak_mem_bytes / 2**30
+        return getattr(stat, key)
+
+    columns = [("rank", "rank"), ("steps", "num_steps"), ("median step s", "median_step_s"),
+               ("p90 step s", "p90_step_s"), ("median data s", "median_data_s"),
+               ("median compute s", "median_compute_s"), ("peak mem GiB", "peak_mem_gib")]
+    columns = [(h, key) for h, key in columns if any(value_of(s, key) is not None for s in stats)]
+
+    def cell(value: float | None) -> str:
+        return "" if value is None else str(value) if isinstance(value, int) else f"{value:.4g}"
+
+    head = "".join(f"<th>{h}</th>" for h, _ in columns)
+    rows = "".join("<tr>" + "".join(f"<td>{cell(value_of(s, key))}</td>" for _, key in columns) + "</tr>"
+                   for s in stats)
+    return f"<table><tr>{head}</tr>{rows}</table>"
+
+
+@dataclass
+class Report:
+    """What `write_report` wrote."""
+
+    html: Path
+    images: list[Path]
+    image_format: str
+    straggler: Straggler | None
+    skipped_lines: int
+
+
+def write_report(run_dir: str | Path, out_dir: str | Path | None = None, *,
+                 image_format: str = "auto") -> Report:
+    """Charts and report.html for a run. image_format: "png" (needs matplotlib), "svg", or
+    "auto" (png when matplotlib imports, else svg)."""
+    if image_format not in ("auto", "png", "svg"):
+        raise ReportError(f"image format must be auto, png or svg, got {image_format!r}")
+    run = load_run(run_dir)
+    have_mpl = matplotlib_available()
+    if image_format == "png" and not have_mpl:
+        raise ReportError("PNG charts need matplotlib: pip install matplotlib (or use SVG charts)")
+    fmt = "png" if image_format == "png" or (image_format == "auto" and have_mpl) else "svg"
+    if image_format == "auto" and not have_mpl:
+        logger.info("matplotlib is not installed: charts are SVG (pip install matplotlib for PNGs)")
+    out = Path(out_dir) if out_dir is not None else Path(run_dir)
+    if out.is_file() and out.name == METRICS_FILE:
+        out = out.parent
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        stats = rank_stats(run.ranks)
+        straggler = find_straggler(stats)
+        charts = build_charts(run, straggler)
+        images: list[Path] = []
+        for chart in charts:
+            images.append(out / f"{chart.name}.{fmt}")
+            if fmt == "png":
+                render_png(chart, images[-1])
+            else:
+                images[-1].write_text(render_svg(chart), encoding="utf-8")
+        summary = "".join(f"<tr><th>{html.escape(k)}</th><td>{html.escape(v)}</td></tr>"
+                          for k, v in summary_rows(run, stats, straggler))
+        figures = "\n".join(_figure(c, p if fmt == "png" else None) for c, p in zip(charts, images, strict=True))
+        page = out / "report.html"
+        page.write_text(_PAGE.format(name=html.escape(run.name), summary=summary, figures=figures,
+                                     ranks=_rank_table(stats)), encoding="utf-8")
+    except OSError as exc:
+        raise ReportError(f"cannot write the report to {out}: {exc.strerror or exc}") from exc
+    return Report(html=page, images=images, image_format=fmt, straggler=straggler,
+                  skipped_lines=run.skipped_lines)
+
+
+def render_report(run_dir: str | Path, out_dir: str | Path | None = None) -> Path:
+    """Write the charts and report.html for `run_dir` (into it by default); return report.html's path.
+
+    The trainer calls this at the end of a run so the run directory holds its curves.
+    """
+    return write_report(run_dir, out_dir).html

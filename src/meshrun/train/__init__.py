@@ -1,0 +1,1 @@
+"""Training: the worker entry, the step loop, optimizer and LR schedule."""

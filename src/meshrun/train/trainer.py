@@ -1,0 +1,178 @@
+"""The step loop of `meshrun train`: build, train, evaluate, log, save once.
+
+Reads top to bottom in the order the guide teaches: ① the runtime is initialised by the
+caller, ② model -> device -> parallelize, ③ data with a resumable distributed sampler,
+④ the loop. Every component gets only its own config section.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from meshrun.config import JobConfig
+from meshrun.data.loader import build_loaders
+from meshrun.data.tokenizer import load_tokenizer
+from meshrun.errors import ConfigError
+from meshrun.metrics.logger import MetricsLogger
+from meshrun.metrics.progress import ProgressBar
+from meshrun.metrics.system import (
+    StepTimer,
+    device_peak_flops,
+    mfu,
+    peak_memory_bytes,
+    peak_memory_kind,
+)
+from meshrun.models.factory import build_model
+from meshrun.parallel import parallelize, unwrap_model
+from meshrun.runtime.session import DistEnv
+from meshrun.train.optim import build_optimizer, build_scheduler
+from meshrun.train.seed import seed_everything
+from meshrun.train.step import DTYPES, evaluate, train_step
+
+logger = logging.getLogger(__name__)
+
+WEIGHTS_FILE = "model.pt"
+
+
+@dataclass
+class TrainResult:
+    """What a finished run reports back (used by tests and the Python API)."""
+
+    steps: int
+    losses: list[tuple[int, float]]
+    eval_losses: list[tuple[int, float]]
+    weights_path: Path | None
+    tokens_per_s: float | None
+
+
+def _mean_across_ranks(value: torch.Tensor, world_size: int) -> float:
+    if world_size > 1:
+        value = value.detach().clone()
+        dist.all_reduce(value, op=dist.ReduceOp.SUM)
+        value /= world_size
+    return float(value.item())
+
+
+def _resolved_seq_len(cfg: JobConfig, model: nn.Module) -> int:
+    max_len = getattr(getattr(model, "args", None), "max_seq_len", None)
+    if max_len is not None and cfg.data.seq_len > max_len:
+        raise ConfigError(f"data.seq_len={cfg.data.seq_len} exceeds the model's max_seq_len={max_len}; "
+                          f"lower data.seq_len or set model.max_seq_len >= {cfg.data.seq_len}")
+    return cfg.data.seq_len
+
+
+def _flops_per_token(model: nn.Module, seq_len: int) -> float | None:
+    args = getattr(model, "args", None)
+    if args is None:
+        return None
+    from meshrun.models.llama import flops_per_token
+
+    return flops_per_token(args, seq_len)
+
+
+def train(cfg: JobConfig, env: DistEnv, run_dir: Path) -> TrainResult:
+    """Train as `cfg` says on the current world; rank 0 writes metrics and the final weights."""
+    tcfg = cfg.train
+    seed_everything(tcfg.seed)
+    tokenizer = load_tokenizer(cfg.data.tokenizer)
+
+    # ② the model: built (seeded, the same on every rank), moved, then wrapped for the world
+    model = build_model(cfg.model, tokenizer.vocab_size, seed=tcfg.seed).to(env.device)
+    seq_len = _resolved_seq_len(cfg, model)
+    vocab = getattr(getattr(model, "args", None), "vocab_size", None)
+    num_params = sum(p.numel() for p in model.parameters())
+    flops_tok = _flops_per_token(model, seq_len)
+    model = parallelize(model, cfg.parallel, device=env.device, world_size=env.world_size,
+                        activation_checkpointing=tcfg.activation_checkpointing)
+
+    # ③ data: this rank's disjoint share; the sampler reshuffles every epoch by itself
+    train_batches, val_loader, _ = build_loaders(
+        cfg.data, seq_len=seq_len, batch_size=tcfg.batch_size, dp_rank=env.rank,
+        dp_size=env.world_size, seed=tcfg.seed, tokenizer=tokenizer, vocab_size=vocab)
+    optimizer = build_optimizer(model, cfg.optim)
+    scheduler = build_scheduler(optimizer, cfg.optim, tcfg.steps)
+
+    tokens_per_step = tcfg.batch_size * tcfg.grad_accum * seq_len * env.world_size
+    peak = device_peak_flops(env.device, DTYPES[tcfg.dtype])
+    metrics = MetricsLogger(run_dir, rank=env.rank, enabled_jsonl=cfg.metrics.jsonl,
+                            tensorboard=cfg.metrics.tensorboard)
+    metrics.log_meta(world_size=env.world_size, device=str(env.device), backend=env.backend,
+                     num_params=num_params, seq_len=seq_len, tokens_per_step=tokens_per_step,
+                     batch_size=tcfg.batch_size, grad_accum=tcfg.grad_accum, dtype=tcfg.dtype)
+    progress = ProgressBar(tcfg.steps, rank=env.rank, interval=tcfg.log_interval)
+    progress.write(f"training {num_params / 1e6:.2f}M parameters on {env.world_size} x {env.device} "
+                   f"({env.backend}), {tcfg.steps} steps of {tokens_per_step} tokens")
+    timer = StepTimer(warmup_steps=2, sync=_sync_fn(env.device))
+    losses: list[tuple[int, float]] = []
+    eval_losses: list[tuple[int, float]] = []
+
+    def run_eval(step: int) -> None:
+        if val_loader is None:
+            return
+        local = evaluate(model, val_loader, steps=cfg.train.eval_steps, device=env.device, dtype=tcfg.dtype)
+        value = _mean_across_ranks(local, env.world_size)
+        eval_losses.append((step, value))
+        metrics.log_eval(step, eval_loss=value)
+        progress.write(f"step {step}: eval loss {value:.4f}")
+
+    # ④ the loop
+    model.train()
+    run_eval(0)
+    for step in range(1, tcfg.steps + 1):
+        timer.start()
+        loss, grad_norm, compute_s = train_step(model, optimizer, train_batches, grad_accum=tcfg.grad_accum,
+                                                device=env.device, dtype=tcfg.dtype, grad_clip=tcfg.grad_clip)
+        lr = scheduler.get_last_lr()[0]
+        scheduler.step()
+        timing = timer.stop(tokens_per_step)
+        metrics.log_rank_step(step, step_time_s=timing.step_time_s, compute_time_s=compute_s,
+                              peak_mem_bytes=peak_memory_bytes(env.device) if step % cfg.metrics.interval == 0 else None)
+        log_now = step % cfg.metrics.interval == 0 or step == tcfg.steps
+        show_now = step % tcfg.log_interval == 0 or step == tcfg.steps
+        if log_now or show_now:
+            value = _mean_across_ranks(loss, env.world_size)  # a collective: every rank, same steps
+            losses.append((step, value))
+            if log_now:
+                metrics.log_train(step, loss=value, lr=lr, grad_norm=float(grad_norm),
+                                  tokens_per_s=timing.tokens_per_s, step_time_s=timing.step_time_s,
+                                  peak_mem_bytes=peak_memory_bytes(env.device),
+                                  peak_mem_kind=peak_memory_kind(env.device),
+                                  mfu=mfu(flops_tok, timing.tokens_per_s / env.world_size, peak))
+            progress.update(step, loss=value, tokens_per_s=timing.tokens_per_s)
+        else:
+            progress.update(step)
+        if tcfg.eval_interval and step % tcfg.eval_interval == 0 and step != tcfg.steps:
+            run_eval(step)
+    run_eval(tcfg.steps)
+    progress.close()
+
+    weights = _save_final_weights(model, run_dir, env)
+    metrics.log_meta(event="end", tokens_per_s=timer.mean_tokens_per_s,
+                     peak_mem_bytes=peak_memory_bytes(env.device))
+    metrics.close()
+    return TrainResult(tcfg.steps, losses, eval_losses, weights, timer.mean_tokens_per_s)
+
+
+def _sync_fn(device: torch.device):
+    if device.type == "cpu":
+        return None
+    return lambda: torch.accelerator.synchronize(device)
+
+
+def _save_final_weights(model: nn.Module, run_dir: Path, env: DistEnv) -> Path | None:
+    """Rank 0 saves the unwrapped model's state_dict once: plain torch loads it with weights_only."""
+    if not env.is_main:
+        return None
+    path = run_dir / WEIGHTS_FILE
+    tmp = path.with_suffix(".pt.tmp")
+    state = {k: v.detach().cpu() for k, v in unwrap_model(model).state_dict().items()}
+    torch.save(state, tmp)
+    tmp.replace(path)  # atomic: a crash mid-write never leaves a half file under the real name
+    logger.info("saved %s", path)
+    return path

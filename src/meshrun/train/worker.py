@@ -1,0 +1,62 @@
+"""Worker entry of `meshrun train`: every rank runs this under `meshrun launch`.
+
+    meshrun launch --nproc-per-node 2 -m meshrun.train.worker --run-dir runs/NAME
+
+The resolved config was validated and written to RUN_DIR/config.toml by `meshrun train`, so
+every rank trains on exactly the same settings.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import meshrun
+from meshrun.config import load_config
+from meshrun.errors import MeshrunError
+
+CONFIG_FILE = "config.toml"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="meshrun.train.worker", description=__doc__.splitlines()[0])
+    parser.add_argument("--run-dir", required=True, help="run directory holding config.toml")
+    args = parser.parse_args(argv)
+    run_dir = Path(args.run_dir)
+    try:
+        cfg = load_config(run_dir / CONFIG_FILE)
+    except MeshrunError as exc:
+        print(f"meshrun train: error: {exc}", file=sys.stderr)
+        return 2
+    env = meshrun.init()
+    from meshrun.train.trainer import train  # after init: heavy imports off the error path
+
+    try:
+        result = train(cfg, env, run_dir)
+    except MeshrunError as exc:
+        # Bad input found on the workers (data file, model factory): one line, exit 2.
+        print(f"meshrun train: error: {exc}", file=sys.stderr)
+        meshrun.shutdown(failed=True)
+        return 2
+    if env.is_main:
+        _finish_report(cfg, run_dir, result)
+    meshrun.shutdown()
+    return 0
+
+
+def _finish_report(cfg, run_dir: Path, result) -> None:
+    """Render the curves into the run directory; a report problem never fails a finished run."""
+    note = f"run directory: {run_dir} (weights {result.weights_path.name}"
+    if cfg.metrics.jsonl:
+        from meshrun.report import render_report
+
+        try:
+            note += f", report {render_report(run_dir).name}"
+        except MeshrunError as exc:
+            note += f"; no report: {exc}"
+    print(note + ")")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

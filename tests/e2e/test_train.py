@@ -1,0 +1,108 @@
+"""`meshrun train` end to end on the tiny config: run directory, parity with one process, bad input."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import EXAMPLES, meshrun
+
+TINY = str(EXAMPLES / "configs" / "tiny.toml")
+
+
+def _train(tmp_path: Path, name: str, *args: str, timeout: float = 240):
+    result = meshrun("train", TINY, "--set", f"train.name={name}", "--set", f"train.run_dir={tmp_path}",
+                     *args, timeout=timeout, cwd=tmp_path)
+    return result, tmp_path / name
+
+
+def _records(run_dir: Path, kind: str) -> list[dict]:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in rows if r.get("kind") == kind]
+
+
+def test_tiny_run_writes_config_metrics_weights_and_curves(tmp_path):
+    result, run_dir = _train(tmp_path, "tiny", "--nproc-per-node", "2")
+    assert result.returncode == 0, result.output
+    for name in ("config.toml", "metrics.jsonl", "model.pt", "report.html", "loss.png"):
+        assert (run_dir / name).is_file(), name
+    evals = [r["eval_loss"] for r in _records(run_dir, "eval")]
+    assert evals[-1] < evals[0] - 0.5, evals  # it learns
+    train_rows = _records(run_dir, "train")
+    assert {"loss", "lr", "grad_norm", "tokens_per_s", "step_time_s", "peak_mem_bytes"} <= set(train_rows[-1])
+    assert "[rank 1]" not in result.stdout  # progress is rank 0's job
+
+    from meshrun.config import load_config
+    from meshrun.models.factory import build_model
+
+    cfg = load_config(run_dir / "config.toml")
+    model = build_model(cfg.model, 259)
+    model.load_state_dict(torch.load(run_dir / "model.pt", weights_only=True))  # the unwrapped model
+
+
+def test_ddp_matches_one_process_and_accumulation_matches_a_bigger_batch(tmp_path):
+    common = ["--set", "metrics.interval=1", "--set", "train.eval_interval=0"]
+    runs = {
+        "ddp2": ["--nproc-per-node", "2", "--set", "train.batch_size=4"],
+        "single": ["--nproc-per-node", "1", "--set", "train.batch_size=8"],
+        "accum": ["--nproc-per-node", "1", "--set", "train.batch_size=4", "--set", "train.grad_accum=2"],
+    }
+    losses = {}
+    for name, args in runs.items():
+        result, run_dir = _train(tmp_path, name, *args, *common)
+        assert result.returncode == 0, result.output
+        losses[name] = [r["loss"] for r in _records(run_dir, "train")]
+    assert len(losses["single"]) == 20
+    for name in ("ddp2", "accum"):
+        diffs = [abs(a - b) for a, b in zip(losses[name], losses["single"], strict=True)]
+        assert max(diffs) < 1e-5, (name, diffs)
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["--set", "optim.lrr=1"], "did you mean 'optim.lr'"),
+        (["--set", "optim.lr=-0.001"], "optim.lr must be > 0"),
+        (["--nproc-per-node", "0"], "--nproc-per-node 0"),
+        (["--set", "data.path=/nonexistent/tokens"], "/nonexistent/tokens"),
+        (["--set", "model.factory=no_such_pkg.models:build"], "no_such_pkg"),
+    ],
+)
+def test_bad_input_is_one_line_exit_2(tmp_path, args, expected):
+    result = meshrun("train", TINY, "--set", f"train.run_dir={tmp_path}", *args, timeout=120, cwd=tmp_path)
+    assert result.returncode == 2, result.output
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and expected in lines[0], result.stderr
+    assert "Traceback" not in result.output
+
+
+def test_corrupt_token_file_is_one_line_exit_2(tmp_path):
+    text = tmp_path / "corpus.txt"
+    text.write_text("hello distributed world. " * 400)
+    prepared = meshrun("data", "prepare", str(text), "--out", str(tmp_path / "tok"), timeout=120)
+    assert prepared.returncode == 0, prepared.output
+    bin_file = next((tmp_path / "tok").glob("*.bin"))
+    bin_file.write_bytes(bin_file.read_bytes()[:-10])  # truncated
+    result = meshrun("train", TINY, "--set", f"train.run_dir={tmp_path}", "--set", f"data.path={tmp_path / 'tok'}",
+                     timeout=120, cwd=tmp_path)
+    assert result.returncode == 2, result.output
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "tok" in lines[0], result.stderr
+
+
+def test_config_show_lists_every_key_with_default_and_doc():
+    result = meshrun("config", "show", TINY, "--set", "optim.lr=0.01", timeout=60)
+    assert result.returncode == 0, result.output
+    assert re.search(r"^lr\s*=\s*0\.01\b", result.stdout, re.M), result.stdout
+    for section in ("model", "data", "train", "optim", "parallel", "checkpoint", "metrics", "launch"):
+        assert f"[{section}]" in result.stdout
+
+
+def test_api_example_runs_under_launch(tmp_path):
+    result = meshrun("launch", "--nproc-per-node", "2", str(EXAMPLES / "api_custom_loop.py"), cwd=tmp_path,
+                     timeout=180)
+    assert result.returncode == 0, result.output
+    assert result.stdout.count("[rank 0] epoch") == 3 and "8 batches per rank" in result.stdout
