@@ -1,17 +1,30 @@
 """The one place that decides the order: pp split -> tp -> activation checkpointing -> fsdp or ddp.
 
-Today the data-parallel strategy is DDP; FSDP2, TP and PP slot into this function in that order,
-so training code never changes when the `[parallel]` section does.
+Two entries:
+- `parallelize(model, parallel_cfg, device=, world_size=)`: plain DDP over the whole world, as the
+  trainer calls it today (no DeviceMesh).
+- `parallelize_nd(model, dims, mesh, device=, ...)`: any combination of DDP, FSDP2, HSDP and TP
+  over one DeviceMesh built by `ParallelDims.build_mesh` (pipeline parallel is not here yet).
+
+Why this order (torchtitan's, torchtitan/models/llama3/infra/parallelize.py): TP rewrites the
+linear layers' parameters into DTensors on the tp axis, so it must see the plain modules;
+activation checkpointing wraps whole blocks, TP'd or not; FSDP comes last so that it shards the
+final (possibly TP'd, possibly wrapped) parameters, composing tp and dp into 2-D DTensors.
+The optimizer must be built after all of this (FSDP replaces the parameters).
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from meshrun.errors import ConfigError
 from meshrun.parallel.checkpointing import apply_activation_checkpointing
 from meshrun.parallel.ddp import apply_ddp
+from meshrun.parallel.dims import ParallelDims
 
 
 def parallelize(
@@ -22,10 +35,11 @@ def parallelize(
     world_size: int,
     activation_checkpointing: bool = False,
 ) -> nn.Module:
-    """Wrap `model` (already on `device`) for the current world as `parallel_cfg` says."""
+    """Wrap `model` (already on `device`) for the current world as `parallel_cfg` says (DDP)."""
     strategy = getattr(parallel_cfg, "strategy", "ddp")
     if strategy != "ddp":
-        raise ConfigError(f"parallel.strategy={strategy!r} is not available yet; use 'ddp'")
+        raise ConfigError(f"parallel.strategy={strategy!r} needs a DeviceMesh: build one with "
+                          f"ParallelDims.build_mesh and call parallelize_nd")
     if activation_checkpointing:
         apply_activation_checkpointing(model)
     if world_size > 1:
@@ -33,6 +47,108 @@ def parallelize(
     return model
 
 
+def parallelize_nd(
+    model: nn.Module,
+    dims: ParallelDims,
+    mesh,
+    *,
+    device: torch.device,
+    param_dtype: torch.dtype | None = None,
+    reduce_dtype: torch.dtype | None = None,
+    reshard_after_forward: bool = True,
+    cpu_offload: bool = False,
+    activation_checkpointing: bool = False,
+    sequence_parallel: bool = False,
+    loss_parallel: bool = False,
+) -> nn.Module:
+    """Apply tp -> activation checkpointing -> fsdp/ddp to `model` (on `device`) as `dims` says.
+
+    Data parallel is chosen from the degrees, as torchtitan does: dp_shard > 1 gives FSDP2
+    (HSDP with dp_replicate > 1 as well); TP with dp_replicate > 1 only also goes through
+    fully_shard, on the (dp_replicate, dp_shard=1) mesh, because DDP does not take DTensor
+    parameters; plain DDP is left for dp_replicate > 1 alone. param_dtype, reduce_dtype,
+    reshard_after_forward and cpu_offload are FSDP's (see `apply_fsdp`); sequence_parallel and
+    loss_parallel are TP's (see `apply_tp`). Returns the model to train (DDP wraps; the others
+    work in place). Build the optimizer on the returned model's parameters afterwards.
+    """
+    if dims.pp_enabled:
+        raise ConfigError(f"parallel.pp={dims.pp}: pipeline parallel is not available yet; use 1")
+    if (sequence_parallel or loss_parallel) and not dims.tp_enabled:
+        raise ConfigError("sequence/loss parallel need parallel.tp > 1")
+    if dims.tp_enabled:
+        from meshrun.parallel.tp import apply_tp
+
+        dims.check_model_args(getattr(model, "args", None))  # a ConfigError, not a shape error
+        apply_tp(model, mesh["tp"], sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
+    if activation_checkpointing:
+        apply_activation_checkpointing(model)
+    if dims.dp_shard_enabled or (dims.tp_enabled and dims.dp_replicate_enabled):
+        from meshrun.parallel.fsdp import apply_fsdp
+
+        model = apply_fsdp(model, dims.fsdp_mesh(mesh) if dims.dp_shard_enabled
+                           else mesh["dp_replicate", "dp_shard"],
+                           param_dtype=param_dtype, reduce_dtype=reduce_dtype,
+                           reshard_after_forward=reshard_after_forward, cpu_offload=cpu_offload)
+    elif dims.dp_replicate_enabled:
+        model = apply_ddp(model, device, process_group=mesh["dp_replicate"].get_group())
+    return model
+
+
 def unwrap_model(model: nn.Module) -> nn.Module:
-    """The user's module inside DDP (`.module`), for saving and inspection."""
+    """The user's module inside DDP (`.module`), for saving and inspection (FSDP/TP work in place)."""
     return model.module if hasattr(model, "module") and isinstance(model.module, nn.Module) else model
+
+
+def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Plain, full CPU tensors of every parameter and buffer, in `unwrap_model`'s key names.
+
+    Call it on every rank: with FSDP/TP it gathers the shards (a collective), and rank 0 gets
+    the tensors (other ranks get {}). Without DTensors it is a local copy. Uses
+    torch.distributed.checkpoint.state_dict.get_model_state_dict(full_state_dict=True,
+    cpu_offload=True), https://docs.pytorch.org/docs/stable/distributed.checkpoint.html
+    """
+    inner = unwrap_model(model)
+    if not _has_dtensors(inner):
+        if dist.is_initialized() and dist.get_rank() != 0:
+            return {}
+        return {k: v.detach().cpu().clone() for k, v in inner.state_dict().items()}
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return get_model_state_dict(inner, options=options)
+
+
+def clip_grad_norm_(parameters, max_norm: float) -> torch.Tensor:
+    """torch.nn.utils.clip_grad_norm_ that also works when gradients are DTensors on different meshes.
+
+    Under FSDP + TP, the TP'd weights are 2-D (dp, tp) DTensors while the norms are 1-D (dp);
+    under TP alone, the norms are plain tensors next to DTensor weights. torch's version fails
+    on both ("got mixed torch.Tensor and DTensor", measured on torch 2.13). Here each group's norm is made a plain full
+    value (`full_tensor`, a collective on every rank alike) before they are combined, as
+    torchtitan's `clip_grad_norm_` does. Returns the total norm as a plain scalar tensor.
+    """
+    from torch.distributed.tensor import DTensor
+
+    grads = [p.grad for p in parameters if p.grad is not None]
+    by_mesh: dict[object, list[torch.Tensor]] = {}
+    for g in grads:
+        by_mesh.setdefault(g.device_mesh if isinstance(g, DTensor) else None, []).append(g)
+    norms = []
+    for group in by_mesh.values():
+        norm = torch.nn.utils.get_total_norm(group, 2.0)
+        norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+    if not norms:
+        return torch.zeros(())
+    total = torch.linalg.vector_norm(torch.stack(norms))
+    if math.isfinite(max_norm):
+        # Scale the local shards: elementwise, so it is the same as scaling the global tensors,
+        # and it avoids mixing the plain coefficient with DTensors (which DTensor refuses).
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        torch._foreach_mul_([g.to_local() if isinstance(g, DTensor) else g for g in grads], coef)
+    return total
+
+
+def _has_dtensors(model: nn.Module) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(p, DTensor) for p in model.parameters())
