@@ -43,12 +43,15 @@ def test_tiny_run_writes_config_metrics_weights_and_curves(tmp_path):
     model.load_state_dict(torch.load(run_dir / "model.pt", weights_only=True))  # the unwrapped model
 
 
-def test_ddp_matches_one_process_and_accumulation_matches_a_bigger_batch(tmp_path):
+def test_layouts_match_one_process_and_accumulation_matches_a_bigger_batch(tmp_path):
     common = ["--set", "metrics.interval=1", "--set", "train.eval_interval=0"]
     runs = {
         "ddp2": ["--nproc-per-node", "2", "--set", "train.batch_size=4"],
         "single": ["--nproc-per-node", "1", "--set", "train.batch_size=8"],
         "accum": ["--nproc-per-node", "1", "--set", "train.batch_size=4", "--set", "train.grad_accum=2"],
+        "fsdp2": ["--nproc-per-node", "2", "--set", "train.batch_size=4", "--set", "parallel.strategy=fsdp"],
+        "tp2": ["--nproc-per-node", "2", "--set", "train.batch_size=8", "--set", "parallel.strategy=fsdp",
+                "--set", "parallel.dp_replicate=1", "--set", "parallel.tp=2"],
     }
     losses = {}
     for name, args in runs.items():
@@ -56,7 +59,12 @@ def test_ddp_matches_one_process_and_accumulation_matches_a_bigger_batch(tmp_pat
         assert result.returncode == 0, result.output
         losses[name] = [r["loss"] for r in _records(run_dir, "train")]
     assert len(losses["single"]) == 20
-    for name in ("ddp2", "accum"):
+    from meshrun.config import load_config
+    from meshrun.models.factory import build_model
+
+    cfg = load_config(tmp_path / "fsdp2" / "config.toml")
+    build_model(cfg.model, 259).load_state_dict(torch.load(tmp_path / "fsdp2" / "model.pt", weights_only=True))
+    for name in ("ddp2", "accum", "fsdp2", "tp2"):
         diffs = [abs(a - b) for a, b in zip(losses[name], losses["single"], strict=True)]
         assert max(diffs) < 1e-5, (name, diffs)
 
@@ -69,6 +77,8 @@ def test_ddp_matches_one_process_and_accumulation_matches_a_bigger_batch(tmp_pat
         (["--nproc-per-node", "0"], "--nproc-per-node 0"),
         (["--set", "data.path=/nonexistent/tokens"], "/nonexistent/tokens"),
         (["--set", "model.factory=no_such_pkg.models:build"], "no_such_pkg"),
+        (["--nproc-per-node", "2", "--set", "parallel.strategy=fsdp", "--set", "parallel.dp_replicate=1",
+          "--set", "parallel.tp=3"], "parallel.tp=3"),
     ],
 )
 def test_bad_input_is_one_line_exit_2(tmp_path, args, expected):

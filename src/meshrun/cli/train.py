@@ -111,7 +111,7 @@ def main(argv: list[str]) -> int:
     cfg = load_config(args.config, args.overrides)
     launch_argv = _launch_argv_from_config(cfg, cli_launch) + cli_launch
     launch_args = build_launch_parser().parse_args(launch_argv + ["-m", "meshrun.train.worker"])
-    preflight(cfg, nproc_per_node=launch_args.nproc_per_node)
+    preflight(cfg, nproc_per_node=launch_args.nproc_per_node, nnodes=launch_args.nnodes)
     run_dir = make_run_dir(cfg)
     save_config(cfg, run_dir / "config.toml")
     launch_args.training_script_args = ["--run-dir", str(run_dir)]

@@ -15,7 +15,7 @@ from meshrun.errors import ConfigError
 DTYPES = ("fp32", "bf16")
 SCHEDULES = ("cosine", "constant", "linear")
 # Strategies the trainer implements; the N-D parallelism issue adds its own here.
-STRATEGIES = ("ddp",)
+STRATEGIES = ("ddp", "fsdp")
 PP_SCHEDULES = ("gpipe", "1f1b")
 _FACTORY = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
 _NNODES = re.compile(r"^(\d+)(?::(\d+))?$")
@@ -135,7 +135,7 @@ class ParallelSection(Section):
     """How the model and batch spread over ranks; degrees are checked against the world size at start."""
 
     section = "parallel"
-    strategy: str = doc_field("ddp", "'ddp' = every rank holds the whole model and gradients are all-reduced.")
+    strategy: str = doc_field("ddp", "'ddp' = every rank holds the whole model and gradients are all-reduced; 'fsdp' = FSDP2/HSDP and tensor parallel over one DeviceMesh, from the degrees below.")
     dp_replicate: int = doc_field(-1, "Data-parallel replicas; -1 = the ranks left after the other degrees.")
     dp_shard: int = doc_field(1, "Data-parallel shards (FSDP); 1 = no sharding, -1 = the ranks left.")
     tp: int = doc_field(1, "Tensor-parallel degree (heads and FFN split over ranks); 1 = off.")

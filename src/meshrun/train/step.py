@@ -14,6 +14,9 @@ from collections.abc import Iterator
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
+
+from meshrun.parallel.parallelize import clip_grad_norm_ as clip_dtensor_grad_norm_
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -54,6 +57,8 @@ def train_step(
         inputs, targets = next(batches)
         inputs, targets = inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
         last = micro == grad_accum - 1
+        if hasattr(model, "set_requires_gradient_sync"):  # FSDP2: reduce-scatter on the last only
+            model.set_requires_gradient_sync(last)
         sync = contextlib.nullcontext() if last or not hasattr(model, "no_sync") else model.no_sync()
         with sync:
             started = time.perf_counter()
@@ -63,7 +68,11 @@ def train_step(
             loss.backward()
         total += loss.detach()
     max_norm = grad_clip if grad_clip > 0 else math.inf
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    params = [p for p in model.parameters() if p.grad is not None]
+    if any(isinstance(p, DTensor) for p in params):  # torch's clip rejects FSDP/TP's mixed meshes
+        grad_norm = clip_dtensor_grad_norm_(params, max_norm)
+    else:
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return total, grad_norm, forward_s

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from meshrun.config import JobConfig
 from meshrun.data.loader import build_loaders
@@ -30,6 +31,8 @@ from meshrun.metrics.system import (
 )
 from meshrun.models.factory import build_model
 from meshrun.parallel import parallelize, unwrap_model
+from meshrun.parallel.dims import ParallelDims
+from meshrun.parallel.parallelize import full_state_dict, parallelize_nd
 from meshrun.runtime.session import DistEnv
 from meshrun.train.optim import build_optimizer, build_scheduler
 from meshrun.train.seed import seed_everything
@@ -88,17 +91,16 @@ def train(cfg: JobConfig, env: DistEnv, run_dir: Path) -> TrainResult:
     vocab = getattr(getattr(model, "args", None), "vocab_size", None)
     num_params = sum(p.numel() for p in model.parameters())
     flops_tok = _flops_per_token(model, seq_len)
-    model = parallelize(model, cfg.parallel, device=env.device, world_size=env.world_size,
-                        activation_checkpointing=tcfg.activation_checkpointing)
+    model, dp_rank, dp_size = _parallelize(model, cfg, env)
 
-    # ③ data: this rank's disjoint share; the sampler reshuffles every epoch by itself
+    # ③ data: this data-parallel rank's disjoint share; the sampler reshuffles every epoch itself
     train_batches, val_loader, _ = build_loaders(
-        cfg.data, seq_len=seq_len, batch_size=tcfg.batch_size, dp_rank=env.rank,
-        dp_size=env.world_size, seed=tcfg.seed, tokenizer=tokenizer, vocab_size=vocab)
+        cfg.data, seq_len=seq_len, batch_size=tcfg.batch_size, dp_rank=dp_rank,
+        dp_size=dp_size, seed=tcfg.seed, tokenizer=tokenizer, vocab_size=vocab)
     optimizer = build_optimizer(model, cfg.optim)
     scheduler = build_scheduler(optimizer, cfg.optim, tcfg.steps)
 
-    tokens_per_step = tcfg.batch_size * tcfg.grad_accum * seq_len * env.world_size
+    tokens_per_step = tcfg.batch_size * tcfg.grad_accum * seq_len * dp_size
     peak = device_peak_flops(env.device, DTYPES[tcfg.dtype])
     metrics = MetricsLogger(run_dir, rank=env.rank, enabled_jsonl=cfg.metrics.jsonl,
                             tensorboard=cfg.metrics.tensorboard)
@@ -159,6 +161,23 @@ def train(cfg: JobConfig, env: DistEnv, run_dir: Path) -> TrainResult:
     return TrainResult(tcfg.steps, losses, eval_losses, weights, timer.mean_tokens_per_s)
 
 
+def _parallelize(model: nn.Module, cfg: JobConfig, env: DistEnv) -> tuple[nn.Module, int, int]:
+    """(wrapped model, dp rank, dp size): DDP over the world, or the N-D layout over one mesh."""
+    if cfg.parallel.strategy == "ddp":
+        wrapped = parallelize(model, cfg.parallel, device=env.device, world_size=env.world_size,
+                              activation_checkpointing=cfg.train.activation_checkpointing)
+        return wrapped, env.rank, env.world_size
+    dims = ParallelDims.from_config(cfg.parallel, env.world_size)
+    mesh = dims.build_mesh(env.device.type)
+    pcfg = cfg.parallel
+    param_dtype = DTYPES[cfg.train.dtype if pcfg.param_dtype == "auto" else pcfg.param_dtype]
+    wrapped = parallelize_nd(model, dims, mesh, device=env.device, param_dtype=param_dtype,
+                             reduce_dtype=DTYPES[pcfg.reduce_dtype],
+                             reshard_after_forward=pcfg.fsdp_reshard_after_forward,
+                             activation_checkpointing=cfg.train.activation_checkpointing)
+    return wrapped, dims.dp_rank(mesh), dims.dp_size
+
+
 def _sync_fn(device: torch.device):
     if device.type == "cpu":
         return None
@@ -167,11 +186,14 @@ def _sync_fn(device: torch.device):
 
 def _save_final_weights(model: nn.Module, run_dir: Path, env: DistEnv) -> Path | None:
     """Rank 0 saves the unwrapped model's state_dict once: plain torch loads it with weights_only."""
+    if any(isinstance(p, DTensor) for p in model.parameters()):
+        state = full_state_dict(model)  # a collective: every rank gathers, rank 0 keeps the result
+    elif env.is_main:
+        state = {k: v.detach().cpu() for k, v in unwrap_model(model).state_dict().items()}
     if not env.is_main:
         return None
     path = run_dir / WEIGHTS_FILE
     tmp = path.with_suffix(".pt.tmp")
-    state = {k: v.detach().cpu() for k, v in unwrap_model(model).state_dict().items()}
     torch.save(state, tmp)
     tmp.replace(path)  # atomic: a crash mid-write never leaves a half file under the real name
     logger.info("saved %s", path)
