@@ -12,6 +12,7 @@ COMMANDS = {
     "config": ("meshrun.cli.config", "show the fully resolved config: every key, default and doc"),
     "data": ("meshrun.cli.data", "prepare a memory-mapped token file from text (meshrun data prepare)"),
     "report": ("meshrun.cli.report", "render a run's loss/throughput/per-rank curves as PNG + HTML"),
+    "plan": ("meshrun.cli.plan", "per-rank memory of each parallel layout; recommend one (--show: placements)"),
     "launch": ("meshrun.cli.launch", "start N workers of a script under torchrun's elastic agent"),
     "doctor": ("meshrun.cli.doctor", "check this machine for distributed training, with fixes"),
 }

@@ -1,0 +1,160 @@
+"""`meshrun plan`: estimate per-rank memory of every parallel layout and recommend one.
+
+    meshrun plan --model small --world 8 --device-memory 16 --batch-size 8 --seq-len 512
+    meshrun plan examples/configs/tiny.toml --world 4        # model, batch, seq_len, dtype from it
+    meshrun plan --show examples/configs/tiny.toml --world 4 --set parallel.tp=2 --set parallel.dp_shard=2
+
+The estimate and its formula live in `meshrun.plan.memory`, the placement rules in
+`meshrun.plan.show`; this module parses arguments and formats.
+"""
+
+from __future__ import annotations
+
+import argparse
+from math import prod
+
+from meshrun.errors import ConfigError
+from meshrun.plan.memory import GIB, MemoryEstimate, Plan, candidates
+
+EPILOG = """\
+ranking: layouts that fit --device-memory first; then the least model parallelism (tp x pp;
+TP before PP at equal products); then the least total memory per rank. Sizes are GiB per rank.
+params are fp32 (meshrun keeps fp32 weights; bf16 is autocast), optim is AdamW's two moments.
+
+examples:
+  meshrun plan --model 8b --world 64 --device-memory 80 --batch-size 1 --seq-len 8192
+  meshrun plan --model tiny --world 4 --activation-checkpointing
+  meshrun plan --show my.toml --world 4 --set parallel.strategy=fsdp --set parallel.tp=2
+"""
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _gib(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of GiB") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be > 0 GiB, got {value:g}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="meshrun plan", epilog=EPILOG,
+                                description="Estimate per-rank training memory of every parallel "
+                                            "layout for a model and world size, and recommend one.",
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("config", nargs="?", help="TOML config; omitted = the defaults")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
+    p.add_argument("--model", help="named size (tiny, small, base, 1b, 8b); default: the config's model")
+    p.add_argument("--world", type=int, default=None,
+                   help="total ranks; default for --show: the product of the config's degrees")
+    p.add_argument("--device-memory", type=_gib, default=None, metavar="GIB",
+                   help="memory per device in GiB; layouts above it are marked and ranked last")
+    p.add_argument("--batch-size", type=_positive_int, default=None,
+                   help="samples per micro-batch per data-parallel rank; default: train.batch_size")
+    p.add_argument("--seq-len", type=_positive_int, default=None,
+                   help="tokens per sample; default: data.seq_len")
+    p.add_argument("--dtype", choices=("fp32", "bf16"), default=None,
+                   help="activation dtype (bf16 = autocast); default: train.dtype")
+    p.add_argument("--activation-checkpointing", action="store_true", default=None,
+                   help="recompute blocks in backward (default: train.activation_checkpointing)")
+    p.add_argument("--top", type=_positive_int, default=12,
+                   help="rows of the table to print (default 12)")
+    p.add_argument("--show", action="store_true",
+                   help="print each parameter's placements and local shape per rank for the "
+                        "config's [parallel] layout instead")
+    return p
+
+
+def _fmt(n: int) -> str:
+    return f"{n / GIB:.3f}" if n < 10 * GIB else f"{n / GIB:.1f}"
+
+
+def format_table(plan: Plan, top: int) -> str:
+    cols = ("#", "dp_rep", "dp_shard", "tp", "pp", "params", "grads", "optim", "fsdp_buf",
+            "activ", "total", "fits")
+    rows = []
+    for i, e in enumerate(plan.ranked[:top], 1):
+        d = e.dims
+        fits = "-" if e.fits is None else "yes" if e.fits else "no"
+        rows.append((str(i), str(d.dp_replicate), str(d.dp_shard), str(d.tp), str(d.pp),
+                     _fmt(e.params), _fmt(e.grads), _fmt(e.optim), _fmt(e.fsdp_buffers),
+                     _fmt(e.activations), _fmt(e.total), fits))
+    widths = [max(len(r[i]) for r in [cols, *rows]) for i in range(len(cols))]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(row, widths, strict=True)) for row in [cols, *rows]]
+    if len(plan.ranked) > top:
+        lines.append(f"... {len(plan.ranked) - top} more layouts (--top N to see them)")
+    return "\n".join(lines)
+
+
+def parallel_toml(e: MemoryEstimate) -> str:
+    d = e.dims
+    strategy = "fsdp" if d.dp_shard > 1 or d.tp > 1 or d.pp > 1 else "ddp"
+    return "\n".join(["[parallel]", f'strategy = "{strategy}"', f"dp_replicate = {d.dp_replicate}",
+                      f"dp_shard = {d.dp_shard}", f"tp = {d.tp}", f"pp = {d.pp}"])
+
+
+def _world_for_show(cfg, world: int | None) -> int:
+    if world is not None:
+        return world
+    degrees = [getattr(cfg.parallel, n) for n in ("dp_replicate", "dp_shard", "tp", "pp")]
+    if -1 in degrees:
+        raise ConfigError("--show needs --world N when a parallel degree is -1 (the ranks left)")
+    return prod(degrees)
+
+
+def main(argv: list[str]) -> int:
+    from meshrun.config import load_config
+    from meshrun.models.factory import model_args_from_config
+    from meshrun.models.sizes import get_size
+    from meshrun.parallel.dims import ParallelDims
+    from meshrun.plan.show import format_show
+
+    a = build_parser().parse_args(argv)
+    cfg = load_config(a.config, a.overrides)
+    if cfg.model.factory:
+        raise ConfigError(f"model.factory={cfg.model.factory!r}: meshrun plan knows only the "
+                          "built-in decoder's shapes; unset model.factory or use --model SIZE")
+    args = get_size(a.model, key="--model") if a.model else model_args_from_config(cfg.model)
+    if a.world is not None and a.world < 1:
+        raise ConfigError(f"--world must be >= 1, got {a.world}")
+    if a.show:
+        dims = ParallelDims.from_config(cfg.parallel, _world_for_show(cfg, a.world))
+        print(format_show(args, dims))
+        return 0
+    if a.world is None:
+        raise ConfigError("--world N is required: the total number of ranks to plan for")
+    batch = a.batch_size or cfg.train.batch_size
+    seq = a.seq_len or cfg.data.seq_len
+    dtype = a.dtype or cfg.train.dtype
+    ac = cfg.train.activation_checkpointing if a.activation_checkpointing is None else True
+    limit = None if a.device_memory is None else int(a.device_memory * GIB)
+    plan = candidates(args, world_size=a.world, batch_size=batch, seq_len=seq, dtype=dtype,
+                      activation_checkpointing=ac, device_memory=limit)
+    print(f"model: {args.num_params() / 1e6:.2f}M params (dim {args.dim}, {args.n_layers} layers, "
+          f"{args.n_heads} heads, {args.n_kv_heads} kv heads)   world: {a.world}   batch {batch} x "
+          f"seq {seq} per data-parallel rank, {dtype}"
+          + (", activation checkpointing" if ac else "")
+          + (f"   device memory: {a.device_memory:g} GiB" if limit else ""))
+    print(f"GiB per rank, {len(plan.ranked)} layouts, best first:")
+    print(format_table(plan, a.top))
+    best = plan.recommended
+    if best.fits is False:
+        smallest = min(plan.ranked, key=lambda e: e.total)
+        raise ConfigError(f"no layout of {a.world} ranks fits in {a.device_memory:g} GiB per device; "
+                          f"the smallest needs {smallest.total / GIB:.2f} GiB ({smallest.layout}); "
+                          "use more ranks, a smaller --batch-size/--seq-len, "
+                          "--activation-checkpointing or --dtype bf16")
+    print(f"\nrecommended: {best.layout} ({best.total / GIB:.3f} GiB per rank); paste into your config:\n")
+    print(parallel_toml(best))
+    return 0
