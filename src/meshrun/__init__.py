@@ -15,7 +15,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from meshrun.launch.plain_python import install_excepthook as _install_excepthook
+
 __version__ = "0.1.0"
+
+_install_excepthook()  # plain `python train.py` on a torchrun-style script: end with the launch command
 
 __all__ = [
     "DistEnv", "MeshrunError", "init", "shutdown", "current", "print0",

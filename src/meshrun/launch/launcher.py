@@ -17,6 +17,7 @@ import uuid
 from meshrun.errors import LaunchError
 from meshrun.launch.args import resolve_nproc_per_node
 from meshrun.launch.ports import describe_busy_port, port_in_use
+from meshrun.launch.preflight import check_rendezvous
 from meshrun.launch.summary import collect_failures, format_summary
 
 WORKER_MAIN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "worker_main.py")
@@ -97,6 +98,7 @@ def run_launch(args: argparse.Namespace) -> int:
     if not args.no_python and not args.module and not args.run_path and not os.path.isfile(args.training_script):
         raise LaunchError(f"script {args.training_script!r} not found; check the path (relative to {os.getcwd()})")
     config, cmd, cmd_args = build_launch(args)
+    check_rendezvous(args)  # busy, foreign or another job's endpoint: one line, not a silent hang
     _quiet_torch_logs()
     try:
         elastic_launch(config=config, entrypoint=cmd)(*cmd_args)

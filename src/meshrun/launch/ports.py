@@ -55,7 +55,7 @@ def port_holder(port: int) -> str | None:
             if not any(os.readlink(f"/proc/{pid}/fd/{fd}") in targets for fd in fds):
                 continue
             with open(f"/proc/{pid}/cmdline", "rb") as fp:
-                cmd = fp.read().replace(b"\0", b" ").decode(errors="replace").strip()
+                cmd = " ".join(fp.read().replace(b"\0", b" ").decode(errors="replace").split())
             return f"pid {pid} ({cmd[:80]})"
         except OSError:
             continue
