@@ -2,7 +2,8 @@
 
     python benchmarks/trainer_overhead.py --repeats 2 --steps 60
 
-Same model (tiny), batch, sequence length, dtype (fp32) and number of processes; the two runs
+Same model (tiny), batch, sequence length, dtype (fp32), no gradient clipping (the guide's loop
+has none; --grad-clip 1.0 measures meshrun's default) and number of processes; the two runs
 alternate so machine noise hits both alike. meshrun's step time comes from its per-rank log
 (ranks/rank0.jsonl), the baseline's from its own timer; both skip the first `--warmup` steps.
 Prints the medians and the ratio meshrun / hand-written (target <= 1.03).
@@ -37,7 +38,7 @@ def meshrun_step_time(args, workdir: Path, index: int) -> float:
           "--set", f"train.steps={args.steps}", "--set", f"train.batch_size={args.batch_size}",
           "--set", f"data.seq_len={args.seq_len}", "--set", "train.eval_interval=0",
           "--set", "train.eval_steps=1", "--set", f"train.run_dir={workdir}", "--set", f"train.name={name}",
-          "--set", "metrics.tensorboard=false"], args.timeout)
+          "--set", "metrics.tensorboard=false", "--set", f"train.grad_clip={args.grad_clip}"], args.timeout)
     rows = [json.loads(line) for line in (workdir / name / "ranks" / "rank0.jsonl").read_text().splitlines()]
     times = [r["step_time_s"] for r in rows if r.get("step", 0) > args.warmup]
     return statistics.median(times)
@@ -58,6 +59,8 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--nproc", type=int, default=2)
+    parser.add_argument("--grad-clip", type=float, default=0.0,
+                        help="meshrun's train.grad_clip; 0 = off, like the guide's loop (default)")
     parser.add_argument("--timeout", type=float, default=600, help="seconds per run")
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
