@@ -36,6 +36,7 @@ from meshrun.parallel.parallelize import full_state_dict, parallelize_nd
 from meshrun.runtime.session import DistEnv
 from meshrun.train.optim import build_optimizer, build_scheduler
 from meshrun.train.seed import seed_everything
+from meshrun.train.state import TrainState
 from meshrun.train.step import DTYPES, evaluate, train_step
 
 logger = logging.getLogger(__name__)
@@ -97,8 +98,10 @@ def train(cfg: JobConfig, env: DistEnv, run_dir: Path) -> TrainResult:
     train_batches, val_loader, _ = build_loaders(
         cfg.data, seq_len=seq_len, batch_size=tcfg.batch_size, dp_rank=dp_rank,
         dp_size=dp_size, seed=tcfg.seed, tokenizer=tokenizer, vocab_size=vocab)
-    optimizer = build_optimizer(model, cfg.optim)
-    scheduler = build_scheduler(optimizer, cfg.optim, tcfg.steps)
+    model_parts = [model]  # one part per pipeline stage held by this rank; one without PP
+    optimizers = [build_optimizer(part, cfg.optim) for part in model_parts]
+    schedulers = [build_scheduler(opt, cfg.optim, tcfg.steps) for opt in optimizers]
+    state = TrainState(model_parts, optimizers, schedulers, train_batches)
 
     tokens_per_step = tcfg.batch_size * tcfg.grad_accum * seq_len * dp_size
     peak = device_peak_flops(env.device, DTYPES[tcfg.dtype])
@@ -126,12 +129,14 @@ def train(cfg: JobConfig, env: DistEnv, run_dir: Path) -> TrainResult:
     # ④ the loop
     model.train()
     run_eval(0)
-    for step in range(1, tcfg.steps + 1):
+    for step in range(state.step + 1, tcfg.steps + 1):
         timer.start()
-        loss, grad_norm, compute_s = train_step(model, optimizer, train_batches, grad_accum=tcfg.grad_accum,
+        loss, grad_norm, compute_s = train_step(model, optimizers[0], train_batches, grad_accum=tcfg.grad_accum,
                                                 device=env.device, dtype=tcfg.dtype, grad_clip=tcfg.grad_clip)
-        lr = scheduler.get_last_lr()[0]
-        scheduler.step()
+        lr = schedulers[0].get_last_lr()[0]
+        for scheduler in schedulers:
+            scheduler.step()
+        state.step = step
         timing = timer.stop(tokens_per_step)
         metrics.log_rank_step(step, step_time_s=timing.step_time_s, compute_time_s=compute_s,
                               peak_mem_bytes=peak_memory_bytes(env.device) if step % cfg.metrics.interval == 0 else None)
