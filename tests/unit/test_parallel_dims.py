@@ -140,7 +140,7 @@ def test_parallelize_nd_refuses_pp_and_sp_without_tp():
     from meshrun.parallel.parallelize import parallelize_nd
 
     cpu = torch.device("cpu")
-    with pytest.raises(ConfigError, match=r"parallel\.pp=2: pipeline parallel is not available yet"):
+    with pytest.raises(ConfigError, match=r"parallel\.pp=2: a pipeline needs parallelize_pipeline"):
         parallelize_nd(_tiny(), dims(4, dp_shard=2, pp=2), None, device=cpu)
     with pytest.raises(ConfigError, match="sequence/loss parallel need parallel.tp > 1"):
         parallelize_nd(_tiny(), dims(2, dp_shard=2), None, device=cpu, sequence_parallel=True)

@@ -4,7 +4,9 @@ Two entries:
 - `parallelize(model, parallel_cfg, device=, world_size=)`: plain DDP over the whole world, as the
   trainer calls it today (no DeviceMesh).
 - `parallelize_nd(model, dims, mesh, device=, ...)`: any combination of DDP, FSDP2, HSDP and TP
-  over one DeviceMesh built by `ParallelDims.build_mesh` (pipeline parallel is not here yet).
+  over one DeviceMesh built by `ParallelDims.build_mesh`.
+- `parallelize_pipeline(model, dims, mesh, plan, device=, ...)`: the same with pp > 1: the model
+  is split into stages first and each stage gets tp -> AC -> fsdp/ddp (3-D and more).
 
 Why this order (torchtitan's, torchtitan/models/llama3/infra/parallelize.py): TP rewrites the
 linear layers' parameters into DTensors on the tp axis, so it must see the plain modules;
@@ -16,6 +18,7 @@ The optimizer must be built after all of this (FSDP replaces the parameters).
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -25,6 +28,9 @@ from meshrun.errors import ConfigError
 from meshrun.parallel.checkpointing import apply_activation_checkpointing
 from meshrun.parallel.ddp import apply_ddp
 from meshrun.parallel.dims import ParallelDims
+
+if TYPE_CHECKING:
+    from meshrun.parallel.pipeline import Pipeline
 
 
 def parallelize(
@@ -72,7 +78,37 @@ def parallelize_nd(
     work in place). Build the optimizer on the returned model's parameters afterwards.
     """
     if dims.pp_enabled:
-        raise ConfigError(f"parallel.pp={dims.pp}: pipeline parallel is not available yet; use 1")
+        raise ConfigError(f"parallel.pp={dims.pp}: a pipeline needs parallelize_pipeline, which "
+                          "splits the model into stages before parallelizing each")
+    return _apply_nd(model, dims, mesh, device=device, param_dtype=param_dtype,
+                     reduce_dtype=reduce_dtype, reshard_after_forward=reshard_after_forward,
+                     cpu_offload=cpu_offload, activation_checkpointing=activation_checkpointing,
+                     sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
+
+
+def parallelize_pipeline(model: nn.Module, dims: ParallelDims, mesh, plan, *, device: torch.device,
+                         grad_accum: int = 1, **options) -> Pipeline:
+    """pp split -> (tp -> activation checkpointing -> fsdp/ddp) on each stage -> the schedule.
+
+    `plan` is a `PipelinePlan` (`plan_pipeline`); `options` are `parallelize_nd`'s keywords.
+    Sequence and loss parallel are refused: they make a stage's output a DTensor, which the
+    pipeline's point-to-point sends do not carry.
+    """
+    from meshrun.parallel.pipeline import build_pipeline
+
+    if options.get("sequence_parallel") or options.get("loss_parallel"):
+        raise ConfigError("parallel.sequence_parallel / parallel.loss_parallel do not compose with "
+                          "parallel.pp > 1 here; turn them off or set parallel.pp=1")
+    return build_pipeline(model, plan, mesh["pp"], device=device, grad_accum=grad_accum,
+                          parallelize_part=lambda part: _apply_nd(part, dims, mesh, device=device, **options))
+
+
+def _apply_nd(model: nn.Module, dims: ParallelDims, mesh, *, device: torch.device,
+              param_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None,
+              reshard_after_forward: bool = True, cpu_offload: bool = False,
+              activation_checkpointing: bool = False, sequence_parallel: bool = False,
+              loss_parallel: bool = False) -> nn.Module:
+    """tp -> activation checkpointing -> fsdp/ddp on one module (a whole model or a pp stage)."""
     if (sequence_parallel or loss_parallel) and not dims.tp_enabled:
         raise ConfigError("sequence/loss parallel need parallel.tp > 1")
     if dims.tp_enabled:
@@ -82,7 +118,10 @@ def parallelize_nd(
         apply_tp(model, mesh["tp"], sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
     if activation_checkpointing:
         apply_activation_checkpointing(model)
-    if dims.dp_shard_enabled or (dims.tp_enabled and dims.dp_replicate_enabled):
+    # DDP takes neither DTensor parameters (TP) nor a pipeline's several backwards per step
+    # (its reducer asserts when it rebuilds buckets, measured on torch 2.13): replicate with
+    # fully_shard on the (dp_replicate, dp_shard=1) mesh instead, as torchtitan does.
+    if dims.dp_shard_enabled or ((dims.tp_enabled or dims.pp_enabled) and dims.dp_replicate_enabled):
         from meshrun.parallel.fsdp import apply_fsdp
 
         model = apply_fsdp(model, dims.fsdp_mesh(mesh) if dims.dp_shard_enabled
@@ -118,14 +157,16 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     return get_model_state_dict(inner, options=options)
 
 
-def clip_grad_norm_(parameters, max_norm: float) -> torch.Tensor:
+def clip_grad_norm_(parameters, max_norm: float, *, pp_group=None) -> torch.Tensor:
     """torch.nn.utils.clip_grad_norm_ that also works when gradients are DTensors on different meshes.
 
     Under FSDP + TP, the TP'd weights are 2-D (dp, tp) DTensors while the norms are 1-D (dp);
     under TP alone, the norms are plain tensors next to DTensor weights. torch's version fails
     on both ("got mixed torch.Tensor and DTensor", measured on torch 2.13). Here each group's norm is made a plain full
     value (`full_tensor`, a collective on every rank alike) before they are combined, as
-    torchtitan's `clip_grad_norm_` does. Returns the total norm as a plain scalar tensor.
+    torchtitan's `clip_grad_norm_` does. With `pp_group` (pipeline parallel: each rank holds
+    only its stages' parameters) the stages' norms are combined over that group, as torchtitan
+    does; every rank of the group must call it. Returns the total norm as a plain scalar tensor.
     """
     from torch.distributed.tensor import DTensor
 
@@ -137,9 +178,14 @@ def clip_grad_norm_(parameters, max_norm: float) -> torch.Tensor:
     for group in by_mesh.values():
         norm = torch.nn.utils.get_total_norm(group, 2.0)
         norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
-    if not norms:
-        return torch.zeros(())
-    total = torch.linalg.vector_norm(torch.stack(norms))
+    total = torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros(())
+    if pp_group is not None:
+        # Each pipeline stage holds other parameters: the global norm combines the stages' squares.
+        total = total.float() ** 2
+        dist.all_reduce(total, group=pp_group)
+        total = total.sqrt()
+    if not grads:
+        return total
     if math.isfinite(max_norm):
         # Scale the local shards: elementwise, so it is the same as scaling the global tensors,
         # and it avoids mixing the plain coefficient with DTensors (which DTensor refuses).

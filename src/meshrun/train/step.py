@@ -1,7 +1,9 @@
 """One optimizer step: micro-batches with gradient accumulation, autocast, clipping.
 
 DDP all-reduces gradients in every backward unless told not to; `no_sync()` on all but the
-last micro-batch makes accumulation cost one all-reduce per optimizer step.
+last micro-batch makes accumulation cost one all-reduce per optimizer step. Under pipeline
+parallel (`train_step_pp`) the schedule runs forward and backward of every micro-batch
+itself, only the last stage sees the loss, and the grad norm combines the stages.
 """
 
 from __future__ import annotations
@@ -34,6 +36,32 @@ def lm_loss(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> to
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
 
+def _loss_parallel_context(on: bool):
+    """TP loss parallel: the logits stay vocab-sharded, so loss and backward run in torch's context."""
+    if not on:
+        return contextlib.nullcontext()
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    return loss_parallel()
+
+
+def mean_loss_across_ranks(value: torch.Tensor, world_size: int, pp: int = 1) -> float:
+    """The loss every rank logs: this step's loss averaged over the data-parallel ranks.
+
+    One all-reduce over the world. Ranks that do not see the loss (pipeline stages other than
+    the last) pass 0; tp ranks of one stage hold the same value. So the sum counts each dp
+    rank's loss tp times, and world_size / pp = dp x tp is the right divisor in every layout
+    (plain world averaging, right for DDP/FSDP/TP, would divide by pp too many).
+    """
+    if world_size > 1:
+        import torch.distributed as dist
+
+        value = value.detach().clone().float()
+        dist.all_reduce(value, op=dist.ReduceOp.SUM)
+        value /= world_size // pp
+    return float(value.item())
+
+
 def train_step(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -43,6 +71,7 @@ def train_step(
     device: torch.device,
     dtype: str,
     grad_clip: float,
+    loss_parallel: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, float]:
     """Run `grad_accum` micro-batches and one optimizer step.
 
@@ -62,10 +91,13 @@ def train_step(
         sync = contextlib.nullcontext() if last or not hasattr(model, "no_sync") else model.no_sync()
         with sync:
             started = time.perf_counter()
-            with autocast_context(device, dtype):
-                loss = lm_loss(model, inputs, targets) / grad_accum
-            forward_s += time.perf_counter() - started
-            loss.backward()
+            with _loss_parallel_context(loss_parallel):
+                with autocast_context(device, dtype):
+                    loss = lm_loss(model, inputs, targets) / grad_accum
+                forward_s += time.perf_counter() - started
+                loss.backward()
+        if isinstance(loss, DTensor):
+            loss = loss.full_tensor()
         total += loss.detach()
     max_norm = grad_clip if grad_clip > 0 else math.inf
     params = [p for p in model.parameters() if p.grad is not None]
@@ -78,8 +110,68 @@ def train_step(
     return total, grad_norm, forward_s
 
 
+def train_step_pp(
+    pipeline,
+    optimizers: list[torch.optim.Optimizer],
+    batches: Iterator[tuple[torch.Tensor, torch.Tensor]],
+    *,
+    grad_accum: int,
+    device: torch.device,
+    dtype: str,
+    grad_clip: float,
+    pp_group,
+) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """`train_step` under pipeline parallel: `grad_accum` schedule steps, then every part's optimizer.
+
+    Every rank of a pipeline reads the same batch (they share a dp rank); the first stage
+    consumes the inputs and the last the targets. The loss is 0 on ranks without the last
+    stage (see `mean_loss_across_ranks`). The seconds returned are the schedule's, which under
+    PP include waiting on neighbouring stages: forward and backward are interleaved in it.
+    """
+    total = torch.zeros((), device=device)
+    started = time.perf_counter()
+    for _ in range(grad_accum):
+        inputs, targets = next(batches)
+        inputs, targets = inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
+        with autocast_context(device, dtype):
+            total += pipeline.step(inputs, targets)
+    step_s = time.perf_counter() - started
+    params = [p for part in pipeline.parts for p in part.parameters() if p.grad is not None]
+    grad_norm = clip_dtensor_grad_norm_(params, grad_clip if grad_clip > 0 else math.inf, pp_group=pp_group)
+    for optimizer in optimizers:
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return total, grad_norm, step_s
+
+
 @torch.no_grad()
-def evaluate(model: nn.Module, batches, *, steps: int, device: torch.device, dtype: str) -> torch.Tensor:
+def evaluate_pp(pipeline, batches, *, steps: int, device: torch.device, dtype: str) -> torch.Tensor:
+    """`evaluate` through the pipeline, forward only (`schedule.eval`); 0 off the last stage.
+
+    A last, smaller batch is skipped: it would not split into the schedule's micro-batches
+    (every rank of a pipeline sees the same batches, so they all skip it).
+    """
+    for part in pipeline.parts:
+        part.eval()
+    total, count = torch.zeros((), device=device), 0
+    full = None
+    for i, (inputs, targets) in enumerate(batches):
+        if i >= steps:
+            break
+        full = full or inputs.shape[0]
+        if inputs.shape[0] != full:
+            break
+        with autocast_context(device, dtype):
+            total += pipeline.step(inputs.to(device), targets.to(device), train=False) * pipeline.grad_accum
+        count += 1
+    for part in pipeline.parts:
+        part.train()
+    return total / max(count, 1)
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, batches, *, steps: int, device: torch.device, dtype: str,
+             loss_parallel: bool = False) -> torch.Tensor:
     """Mean loss of this rank over up to `steps` held-out batches (caller averages across ranks)."""
     was_training = model.training
     model.eval()
@@ -87,8 +179,9 @@ def evaluate(model: nn.Module, batches, *, steps: int, device: torch.device, dty
     for i, (inputs, targets) in enumerate(batches):
         if i >= steps:
             break
-        with autocast_context(device, dtype):
-            total += lm_loss(model, inputs.to(device), targets.to(device))
+        with _loss_parallel_context(loss_parallel), autocast_context(device, dtype):
+            loss = lm_loss(model, inputs.to(device), targets.to(device))
+        total += loss.full_tensor() if isinstance(loss, DTensor) else loss
         count += 1
     model.train(was_training)
     return total / max(count, 1)

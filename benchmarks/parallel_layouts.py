@@ -1,0 +1,138 @@
+"""Step time and per-rank memory of each N-D layout, relative to DDP at the same world size (CPU).
+
+    python benchmarks/parallel_layouts.py                  # world 4, the tiny model, ~3 min here
+    python benchmarks/parallel_layouts.py --steps 20 --dim 256 --layouts ddp4,fsdp4,pp2_fsdp2
+
+A report, not a gate. Each layout runs in its own `run_distributed` launch (so peak RSS is its
+own), trains the built-in Transformer through meshrun's parallelize_nd / parallelize_pipeline
+and train_step / train_step_pp on a fixed global batch, and reports, from the slowest rank:
+- step: median wall seconds of the steps after --warmup (includes waiting on peers);
+- state: the most-loaded rank's local bytes of params + grads + AdamW state (DTensor shards by
+  `to_local()`), what `meshrun plan` estimates;
+- rss: the largest rank's peak resident set size (the process, torch itself included: on CPU
+  there is no allocator counter, so small models mostly show torch's own ~300 MB).
+Every figure is also printed as a ratio to the DDP layout of the same world size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import resource
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+from meshrun.models.llama import ModelArgs, Transformer
+from meshrun.parallel.dims import ParallelDims
+from meshrun.parallel.parallelize import parallelize_nd, parallelize_pipeline
+from meshrun.parallel.pipeline import plan_pipeline
+from meshrun.testing import run_distributed
+from meshrun.train.step import train_step, train_step_pp
+
+LAYOUTS = {
+    "ddp4": dict(dp_replicate=4),
+    "fsdp4": dict(dp_shard=4),
+    "hsdp2x2": dict(dp_replicate=2, dp_shard=2),
+    "tp2_dp2": dict(dp_replicate=2, tp=2),
+    "tp4": dict(tp=4),
+    "fsdp2_tp2": dict(dp_shard=2, tp=2),
+    "pp2_gpipe_dp2": dict(pp=2, dp_replicate=2, schedule="gpipe"),
+    "pp2_1f1b_dp2": dict(pp=2, dp_replicate=2, schedule="1f1b"),
+    "pp2_interleaved_1f1b_dp2": dict(pp=2, dp_replicate=2, schedule="interleaved_1f1b"),
+    "pp2_fsdp2": dict(pp=2, dp_shard=2, schedule="1f1b"),
+    "pp2_tp2": dict(pp=2, tp=2, schedule="1f1b"),
+}
+
+
+def _local_bytes(tensors) -> int:
+    total = 0
+    for t in tensors:
+        local = t.to_local() if hasattr(t, "to_local") else t
+        total += local.numel() * local.element_size()
+    return total
+
+
+def run_layout(layout: dict, model_args: dict, batch: int, seq: int, steps: int, warmup: int) -> dict:
+    opts = dict(layout)
+    schedule = opts.pop("schedule", None)
+    world = dist.get_world_size()
+    dims = ParallelDims(dp_replicate=opts.pop("dp_replicate", 1), dp_shard=opts.pop("dp_shard", 1),
+                        tp=opts.pop("tp", 1), pp=opts.pop("pp", 1), world_size=world)
+    cpu = torch.device("cpu")
+    model = Transformer(ModelArgs(**model_args), seed=0)
+    mesh = dims.build_mesh("cpu")
+    pipeline = None
+    if dims.pp_enabled:
+        plan = plan_pipeline(pp=dims.pp, schedule=schedule, stages_per_rank=0, split_points="",
+                             n_layers=model_args["n_layers"], batch_size=batch // dims.dp_size,
+                             microbatches=0, dp_size=dims.dp_size)
+        pipeline = parallelize_pipeline(model, dims, mesh, plan, device=cpu, **opts)
+        parts = pipeline.parts
+    else:
+        parts = [parallelize_nd(model, dims, mesh, device=cpu, **opts)]
+    del model
+    optimizers = [torch.optim.AdamW(p.parameters(), lr=1e-3) for p in parts]
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, model_args["vocab_size"], (batch, seq + 1), generator=gen)
+    per = batch // dims.dp_size
+    rows = slice(dims.dp_rank(mesh) * per, (dims.dp_rank(mesh) + 1) * per)
+
+    def batches():
+        while True:
+            yield tokens[rows, :-1], tokens[rows, 1:]
+
+    it = batches()
+    times = []
+    state = 0
+    for step in range(steps):
+        dist.barrier()
+        started = time.perf_counter()
+        if pipeline is not None:
+            train_step_pp(pipeline, optimizers, it, grad_accum=1, device=cpu, dtype="fp32", grad_clip=1.0,
+                          pp_group=mesh["pp"].get_group())
+        else:
+            train_step(parts[0], optimizers[0], it, grad_accum=1, device=cpu, dtype="fp32", grad_clip=1.0)
+        times.append(time.perf_counter() - started)
+        if step == 0:
+            params = [p for part in parts for p in part.parameters()]
+            optim = [v for o in optimizers for s in o.state.values() for v in s.values() if torch.is_tensor(v)]
+            state = 2 * _local_bytes(params) + _local_bytes(optim)  # grads are shaped like params
+    return {"step": statistics.median(times[warmup:]), "state": state,
+            "rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--layouts", default=",".join(LAYOUTS), help="comma-separated names (first DDP is the baseline)")
+    p.add_argument("--dim", type=int, default=128)
+    p.add_argument("--n-layers", type=int, default=4)
+    p.add_argument("--batch-size", type=int, default=8, help="global batch (sequences)")
+    p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--timeout", type=float, default=120, help="seconds per layout launch")
+    args = p.parse_args()
+    model_args = dict(vocab_size=256, dim=args.dim, n_layers=args.n_layers, n_heads=4, n_kv_heads=4,
+                      max_seq_len=args.seq_len)
+    results = {}
+    for name in args.layouts.split(","):
+        per_rank = run_distributed(run_layout, world_size=4, timeout=args.timeout,
+                                   args=(LAYOUTS[name], model_args, args.batch_size, args.seq_len,
+                                         args.steps, args.warmup),
+                                   env={"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")})
+        results[name] = {key: max(r[key] for r in per_rank) for key in ("step", "state", "rss")}
+        print(f"  {name}: done", flush=True)
+    base = results.get("ddp4") or next(iter(results.values()))
+    print(f"\nworld 4, dim {args.dim}, {args.n_layers} blocks, global batch {args.batch_size} x {args.seq_len}, "
+          f"fp32, CPU/gloo; ratios vs ddp4")
+    print(f"{'layout':28} {'step s':>8} {'x ddp':>6} {'state MiB':>10} {'x ddp':>6} {'rss MiB':>8} {'x ddp':>6}")
+    for name, r in results.items():
+        print(f"{name:28} {r['step']:8.4f} {r['step'] / base['step']:6.2f} {r['state'] / 2**20:10.2f} "
+              f"{r['state'] / base['state']:6.2f} {r['rss'] / 2**20:8.0f} {r['rss'] / base['rss']:6.2f}")
+
+
+if __name__ == "__main__":
+    main()
