@@ -102,8 +102,14 @@ def build_model(
             raise ModelError(
                 f"model.factory={factory!r} returned {type(model).__name__}, not a torch.nn.Module"
             )
-        return model
-    return Transformer(model_args_from_config(model_cfg, vocab_size), seed=seed)
+    else:
+        model = Transformer(model_args_from_config(model_cfg, vocab_size), seed=seed)
+    init_from = getattr(model_cfg, "init_from", "")
+    if init_from and not any(p.is_meta for p in model.parameters()):
+        from meshrun.checkpoint.export import load_consolidated
+
+        load_consolidated(model, init_from)  # a file from `meshrun ckpt export` or a torch state_dict
+    return model
 
 
 def load_factory(spec: str) -> Any:

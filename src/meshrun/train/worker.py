@@ -30,10 +30,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"meshrun train: error: {exc}", file=sys.stderr)
         return 2
     env = meshrun.init()
+    from meshrun.checkpoint import Preempted
     from meshrun.train.trainer import train  # after init: heavy imports off the error path
 
     try:
         result = train(cfg, env, run_dir)
+    except Preempted as exc:
+        # SIGTERM/SIGINT (preemption): a checkpoint is committed; re-running the command continues.
+        if env.is_main:
+            print(f"meshrun train: {exc}; re-run the same command to continue", file=sys.stderr)
+        meshrun.shutdown()
+        return 0
     except MeshrunError as exc:
         # Bad input found on the workers (data file, model factory): one line, exit 2.
         print(f"meshrun train: error: {exc}", file=sys.stderr)

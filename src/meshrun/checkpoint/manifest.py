@@ -1,0 +1,131 @@
+"""Checkpoint directory layout, the manifest written at commit, and verification on load.
+
+    RUN/checkpoints/step-00000010/        a committed checkpoint (renamed from a .tmp-* name)
+        .metadata, __0_0.distcp, ...       torch.distributed.checkpoint files (model + optimizer)
+        train_state.pt                     step, LR schedule, data position, layout, config
+        rng/rank-00000.pt                  each rank's RNG states
+        manifest.json                      every file above with its size and sha256, written last
+    RUN/checkpoints/latest                 the name of the newest committed checkpoint
+
+A directory without a manifest never finished; one whose files differ from their manifest
+entry is damaged. Either is skipped with a warning that names it and the bad file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+from pathlib import Path
+
+from meshrun.errors import MeshrunError
+
+MANIFEST = "manifest.json"
+LATEST = "latest"
+CHECKPOINTS = "checkpoints"
+TRAIN_STATE = "train_state.pt"
+DCP_METADATA = ".metadata"
+_COMMITTED = re.compile(r"^step-(\d{8})$")
+
+
+class CheckpointError(MeshrunError):
+    """A checkpoint is missing, incomplete, damaged or does not fit the model being trained."""
+
+
+def step_dir_name(step: int) -> str:
+    return f"step-{step:08d}"
+
+
+def checkpoints_dir(run_dir: Path) -> Path:
+    return Path(run_dir) / CHECKPOINTS
+
+
+def committed(root: Path) -> list[Path]:
+    """Committed checkpoint directories under `root`, newest (highest step) first."""
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if p.is_dir() and _COMMITTED.match(p.name)]
+    return sorted(found, key=lambda p: p.name, reverse=True)
+
+
+def uncommitted(root: Path) -> list[Path]:
+    """Temporary directories of writes that never committed (a crash or kill mid-save)."""
+    if not root.is_dir():
+        return []
+    return sorted(p for p in root.iterdir() if p.is_dir() and ".tmp-" in p.name)
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fp:
+        for block in iter(lambda: fp.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _files(ckpt: Path) -> list[Path]:
+    return sorted(p for p in ckpt.rglob("*") if p.is_file() and p.name != MANIFEST)
+
+
+def write_manifest(ckpt: Path, **info) -> dict:
+    """Record every file's size and sha256; fsync'd, so a committed manifest is on disk."""
+    files = {p.relative_to(ckpt).as_posix(): {"bytes": p.stat().st_size, "sha256": _sha256(p)}
+             for p in _files(ckpt)}
+    manifest = {"version": 1, **info, "files": files}
+    tmp = ckpt / (MANIFEST + ".tmp")
+    with open(tmp, "w") as fp:
+        json.dump(manifest, fp, indent=1, sort_keys=True)
+        fp.flush()
+        os.fsync(fp.fileno())
+    tmp.replace(ckpt / MANIFEST)
+    return manifest
+
+
+def read_manifest(ckpt: Path) -> dict:
+    try:
+        return json.loads((Path(ckpt) / MANIFEST).read_text())
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"{ckpt}: {MANIFEST} is unreadable ({exc})") from None
+
+
+def problem(ckpt: Path, *, checksums: bool = True) -> str | None:
+    """None when `ckpt` is complete and intact, else what is wrong, naming the bad file."""
+    ckpt = Path(ckpt)
+    if not ckpt.is_dir():
+        return f"{ckpt} is not a directory"
+    if not (ckpt / MANIFEST).is_file():
+        return f"{ckpt} has no {MANIFEST}: its write never committed"
+    try:
+        files = read_manifest(ckpt)["files"]
+    except (CheckpointError, KeyError) as exc:
+        return str(exc)
+    for rel, entry in files.items():
+        path = ckpt / rel
+        if not path.is_file():
+            return f"{path} is missing"
+        size = path.stat().st_size
+        if size != entry["bytes"]:
+            return f"{path} is {size} bytes, the manifest says {entry['bytes']} (truncated or overwritten)"
+        if checksums and _sha256(path) != entry["sha256"]:
+            return f"{path} fails its sha256 check (corrupt)"
+    return None
+
+
+def is_checkpoint(path: Path) -> bool:
+    """Does `path` look like a meshrun checkpoint at all (valid or not)?"""
+    path = Path(path)
+    return path.is_dir() and ((path / MANIFEST).is_file() or (path / DCP_METADATA).is_file())
+
+
+def write_latest(root: Path, name: str) -> None:
+    tmp = root / (LATEST + ".tmp")
+    tmp.write_text(name + "\n")
+    tmp.replace(root / LATEST)
+
+
+def read_latest(root: Path) -> str | None:
+    try:
+        return (root / LATEST).read_text().strip() or None
+    except OSError:
+        return None

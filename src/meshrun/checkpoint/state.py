@@ -1,0 +1,87 @@
+"""TrainState <-> what a checkpoint stores: DCP tensors, a small train-state file, per-rank RNG.
+
+Model and optimizer go through torch.distributed.checkpoint.state_dict, which names every
+tensor by its unwrapped FQN (no DDP `module.`, FSDP or checkpoint-wrapper prefixes) and keeps
+FSDP/TP shards as DTensors, so DCP reshards them on load into any other layout. The optimizer
+state is flattened (`state.<fqn>.exp_avg`, as torchtitan does), so the dicts of several model
+parts (pipeline stages) merge by plain update and each part picks its own keys on load.
+"""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import torch
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+from meshrun.train.state import TrainState
+
+_OPTIM = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+def tensor_state(state: TrainState) -> dict:
+    """{"model": {fqn: tensor}, "optim": {flat key: tensor or value}} over every model part."""
+    model, optim = {}, {}
+    for part, opt in zip(state.model_parts, state.optimizers, strict=True):
+        model.update(get_model_state_dict(part))
+        optim.update(get_optimizer_state_dict(part, opt, options=_OPTIM))
+    return {"model": model, "optim": optim}
+
+
+def apply_tensor_state(state: TrainState, loaded: dict) -> None:
+    """Copy loaded (resharded) tensors back into every model part and optimizer."""
+    for part, opt in zip(state.model_parts, state.optimizers, strict=True):
+        own = get_model_state_dict(part)
+        set_model_state_dict(part, {k: loaded["model"][k] for k in own})
+        set_optimizer_state_dict(part, opt, loaded["optim"], options=_OPTIM)
+
+
+def train_state(state: TrainState, *, layout: dict, config_toml: str) -> dict:
+    """The small, rank-independent part: plain values that torch.load(weights_only=True) reads."""
+    return {
+        "step": state.step,
+        "schedulers": state.schedulers[0].state_dict(),  # every part follows the same schedule
+        "data": state.train_loader.state_dict(),
+        "layout": layout,
+        "config": config_toml,
+        "extra": dict(state.extra),
+    }
+
+
+def apply_train_state(state: TrainState, saved: dict) -> None:
+    state.step = int(saved["step"])
+    for scheduler in state.schedulers:
+        scheduler.load_state_dict(saved["schedulers"])
+    state.train_loader.load_state_dict(saved["data"])
+    state.extra.update(saved.get("extra", {}))
+
+
+def rng_state() -> dict:
+    """This process's RNG states, as tensors and lists (loadable with weights_only=True)."""
+    version, inner, gauss = random.getstate()
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    state = {
+        "python": [version, list(inner), gauss],
+        "numpy": [kind, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(cached)],
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    version, inner, gauss = state["python"]
+    random.setstate((version, tuple(inner), gauss))
+    kind, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available() and len(state["cuda"]) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all(state["cuda"])

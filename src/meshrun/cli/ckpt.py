@@ -1,0 +1,104 @@
+"""`meshrun ckpt list|inspect|export`: look into a run's checkpoints and export a consolidated model.
+
+    meshrun ckpt list runs/tiny                                   # every checkpoint, step, validity
+    meshrun ckpt inspect runs/tiny/checkpoints/step-00000020      # layout, tensors, shapes, bytes
+    meshrun ckpt export runs/tiny/checkpoints/step-00000020 --format safetensors model.safetensors
+
+An exported file loads into the plain (unwrapped) model with `load_state_dict`, and
+`--set model.init_from=FILE` starts a new training run from it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from meshrun.errors import ConfigError
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="meshrun ckpt", description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     epilog="\n\n".join(__doc__.split("\n\n")[1:]))
+    sub = parser.add_subparsers(dest="action", required=True, metavar="{list,inspect,export}")
+    p = sub.add_parser("list", help="a run's checkpoints: step, validity, size, which one is latest")
+    p.add_argument("run", help="run directory (runs/NAME) or its checkpoints/ directory")
+    p = sub.add_parser("inspect", help="one checkpoint: step, layout it was saved with, tensors, validity")
+    p.add_argument("ckpt", help="checkpoint directory, e.g. runs/NAME/checkpoints/step-00000020")
+    p.add_argument("--json", action="store_true", help="print everything as one JSON object")
+    p = sub.add_parser("export", help="write the model as one consolidated safetensors or torch file")
+    p.add_argument("ckpt", help="checkpoint directory")
+    p.add_argument("out", help="output file, e.g. model.safetensors")
+    p.add_argument("--format", default="safetensors", choices=("safetensors", "torch"),
+                   help="safetensors (default) or torch (torch.save of a state_dict)")
+    return parser
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def _list(run: Path) -> int:
+    from meshrun.checkpoint import manifest as mf
+
+    root = run if run.name == mf.CHECKPOINTS else mf.checkpoints_dir(run)
+    if not root.is_dir():
+        raise ConfigError(f"{run} has no {mf.CHECKPOINTS}/ directory; give a run directory such as runs/NAME "
+                          "trained with --set checkpoint.interval=N")
+    latest = mf.read_latest(root)
+    rows = mf.committed(root) + mf.uncommitted(root)
+    if not rows:
+        print(f"{root}: no checkpoints")
+        return 0
+    print(f"{'checkpoint':<32} {'step':>8} {'size':>10}  status")
+    for path in rows:
+        bad = mf.problem(path)
+        size = sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+        step = path.name.split("-")[1].split(".")[0].lstrip("0") or "0"
+        status = "ok" if bad is None else f"INVALID: {bad}"
+        mark = " (latest)" if path.name == latest else ""
+        print(f"{path.name + mark:<32} {step:>8} {_size(size):>10}  {status}")
+    return 0
+
+
+def _inspect(ckpt: Path, as_json: bool) -> int:
+    from meshrun.checkpoint.export import inspect
+
+    info = inspect(ckpt)
+    if as_json:
+        print(json.dumps(info, indent=1, default=str))
+        return 0 if info["valid"] else 1
+    layout = info["layout"]
+    total = sum(t["bytes"] for t in info["tensors"])
+    print(f"checkpoint  {info['path']}")
+    print(f"step        {info['step']}")
+    print("layout      " + ", ".join(f"{k}={v}" for k, v in layout.items()) if layout else "layout      unknown")
+    if info.get("data"):
+        d = info["data"]
+        print(f"data        epoch {d.get('epoch')}, {d.get('consumed')} of {d.get('num_samples')} samples consumed")
+    print(f"valid       {'yes' if info['valid'] else 'NO: ' + str(info['problem'])}")
+    print(f"tensors     {len(info['tensors'])}, {_size(total)}")
+    width = max((len(t["name"]) for t in info["tensors"]), default=10)
+    for t in info["tensors"]:
+        print(f"  {t['name']:<{width}}  {str(t['shape']):<16} {t['dtype']:<9} {_size(t['bytes']):>10}")
+    return 0 if info["valid"] else 1
+
+
+def main(argv: list[str]) -> int:
+    args = build_parser().parse_args(argv)
+    if args.action == "list":
+        return _list(Path(args.run))
+    if args.action == "inspect":
+        return _inspect(Path(args.ckpt), args.json)
+    from meshrun.checkpoint.export import export
+
+    shapes = export(Path(args.ckpt), Path(args.out), fmt=args.format)
+    print(f"wrote {args.out}: {len(shapes)} tensors ({args.format}); load it into the plain model with "
+          "load_state_dict, or train from it with --set model.init_from=" + args.out, file=sys.stderr)
+    return 0

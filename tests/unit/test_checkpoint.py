@@ -1,0 +1,135 @@
+"""Checkpoint pieces that need no process group: manifest verification and the per-sample log."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+from meshrun.checkpoint import manifest as mf
+from meshrun.checkpoint.samples import consumed_between
+from meshrun.data.loader import InfiniteLoader
+from meshrun.data.sampler import ResumableDistributedSampler
+
+
+def _ckpt(tmp_path):
+    ckpt = tmp_path / "step-00000005"
+    (ckpt / "rng").mkdir(parents=True)
+    (ckpt / "__0_0.distcp").write_bytes(bytes(range(256)) * 4)
+    (ckpt / "rng" / "rank-00000.pt").write_bytes(b"rng")
+    mf.write_manifest(ckpt, step=5)
+    return ckpt
+
+
+def test_manifest_detects_missing_truncated_and_flipped_files(tmp_path):
+    ckpt = _ckpt(tmp_path)
+    assert mf.problem(ckpt) is None
+    shard = ckpt / "__0_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[100] ^= 0x10
+    shard.write_bytes(bytes(data))
+    assert mf.problem(ckpt) == f"{shard} fails its sha256 check (corrupt)"
+    assert mf.problem(ckpt, checksums=False) is None  # same size: only the checksum sees a flipped bit
+    shard.write_bytes(bytes(data[:-1]))
+    assert "is 1023 bytes, the manifest says 1024 (truncated" in mf.problem(ckpt)
+    (ckpt / "rng" / "rank-00000.pt").unlink()
+    shard.write_bytes(bytes(range(256)) * 4)
+    assert mf.problem(ckpt) == f"{ckpt / 'rng' / 'rank-00000.pt'} is missing"
+    (ckpt / mf.MANIFEST).unlink()
+    assert "never committed" in mf.problem(ckpt)
+
+
+def test_committed_and_uncommitted_directories(tmp_path):
+    for name in ("step-00000005", "step-00000010", "step-00000015.tmp-123", "other"):
+        (tmp_path / name).mkdir()
+    assert [p.name for p in mf.committed(tmp_path)] == ["step-00000010", "step-00000005"]
+    assert [p.name for p in mf.uncommitted(tmp_path)] == ["step-00000015.tmp-123"]
+    mf.write_latest(tmp_path, "step-00000010")
+    assert mf.read_latest(tmp_path) == "step-00000010"
+
+
+def test_sample_log_indices_are_the_batches_the_loader_delivered():
+    """consumed_between reconstructs exactly what each rank's batches held, across an epoch end."""
+    n, replicas, batch = 23, 2, 3
+    data = TensorDataset(torch.arange(n))
+    for rank in range(replicas):
+        sampler = ResumableDistributedSampler(n, replicas, rank, seed=7)
+        loader = InfiniteLoader(DataLoader(data, batch_size=batch, sampler=sampler, drop_last=True))
+        position = (0, 0)
+        for _ in range(9):  # 3 batches per epoch per rank: crosses two epoch ends
+            (items,) = next(loader)
+            state = loader.state_dict()
+            after = (state["epoch"], state["consumed"])
+            logged = consumed_between(loader, position, after)
+            assert [i for _, i in logged] == items.tolist()
+            position = after
+
+
+def _real_ckpt(root):
+    """A one-process checkpoint in meshrun's layout: DCP tensors, train state, manifest."""
+    import torch.distributed.checkpoint as dcp
+
+    ckpt = root / "checkpoints" / "step-00000003"
+    model = {"w": torch.arange(6, dtype=torch.float32).reshape(2, 3), "b": torch.ones(3, dtype=torch.bfloat16)}
+    dcp.save({"model": model, "optim": {"state.w.step": torch.tensor(3.0)}}, checkpoint_id=str(ckpt), no_dist=True)
+    torch.save({"step": 3, "layout": {"world_size": 1, "strategy": "ddp"}, "data": {"epoch": 0, "consumed": 24,
+                "num_samples": 100}}, ckpt / mf.TRAIN_STATE)
+    mf.write_manifest(ckpt, step=3)
+    mf.write_latest(ckpt.parent, ckpt.name)
+    return ckpt, model
+
+
+def test_ckpt_list_inspect_and_export_cli(tmp_path, capsys):
+    from meshrun.cli.ckpt import main
+
+    ckpt, model = _real_ckpt(tmp_path)
+    assert main(["list", str(tmp_path)]) == 0
+    assert "step-00000003 (latest)" in capsys.readouterr().out
+    assert main(["inspect", str(ckpt)]) == 0
+    out = capsys.readouterr().out
+    assert "step        3" in out and "strategy=ddp" in out and "valid       yes" in out
+    assert "model.w" in out and "[2, 3]" in out and "bfloat16" in out
+    exported = tmp_path / "model.pt"
+    assert main(["export", str(ckpt), str(exported), "--format", "torch"]) == 0
+    state = torch.load(exported, weights_only=True)
+    assert state.keys() == model.keys() and all(torch.equal(state[k], model[k]) for k in model)
+    (ckpt / "__0_0.distcp").write_bytes(b"garbage")
+    assert main(["inspect", str(ckpt)]) == 1
+    assert "valid       NO:" in capsys.readouterr().out
+    with pytest.raises(mf.CheckpointError, match="will not export a damaged checkpoint"):
+        main(["export", str(ckpt), str(exported)])
+
+
+@pytest.mark.parametrize(
+    ("resume", "restart", "chosen", "abandoned"),
+    [
+        ("auto", "0", "step-00000015", []),  # the newest valid: 20 is damaged
+        ("never", "0", None, ["step-00000005", "step-00000010", "step-00000015", "step-00000020"]),
+        ("never", "1", "step-00000015", []),  # a restart keeps the job's own progress
+        ("PATH", "0", "step-00000005", ["step-00000010", "step-00000015", "step-00000020"]),
+        ("PATH", "1", "step-00000015", []),
+    ],
+)
+def test_which_checkpoint_resume_picks(tmp_path, monkeypatch, resume, restart, chosen, abandoned):
+    from types import SimpleNamespace
+
+    from meshrun.checkpoint.manager import Checkpointer
+    from meshrun.config import CheckpointSection
+
+    root = tmp_path / "checkpoints"
+    for step in (5, 10, 15, 20):
+        ckpt = root / mf.step_dir_name(step)
+        ckpt.mkdir(parents=True)
+        (ckpt / "__0_0.distcp").write_bytes(b"x" * step)
+        mf.write_manifest(ckpt, step=step)
+    (root / "step-00000020" / "__0_0.distcp").write_bytes(b"y" * 20)  # same size, other bytes
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", restart)
+    cfg = CheckpointSection(resume=str(root / "step-00000005") if resume == "PATH" else resume)
+    env = SimpleNamespace(rank=0, world_size=1, is_main=True, device=torch.device("cpu"))
+    checkpointer = Checkpointer(cfg, run_dir=tmp_path, env=env, layout={})
+    try:
+        found = checkpointer._choose()
+    finally:
+        checkpointer.close()
+    assert (found.name if found else None) == chosen
+    assert sorted(p.name.split(".")[0] for p in root.glob("*.abandoned-*")) == abandoned
