@@ -24,10 +24,14 @@ _install_excepthook()  # plain `python train.py` on a torchrun-style script: end
 __all__ = [
     "DistEnv", "MeshrunError", "init", "shutdown", "current", "print0",
     "prepare", "prepare_model", "prepare_dataloader", "__version__",
+    "heartbeat", "check_dataloader", "check_optimizer",
 ]
 
 if TYPE_CHECKING:
     from meshrun.api import prepare, prepare_dataloader, prepare_model
+    from meshrun.debug.data_check import check_dataloader
+    from meshrun.debug.optim_check import check_optimizer
+    from meshrun.debug.progress import heartbeat
     from meshrun.errors import MeshrunError
     from meshrun.runtime.session import DistEnv, current, init, print0, shutdown
 
@@ -41,6 +45,9 @@ _LAZY = {
     "prepare": "meshrun.api",
     "prepare_model": "meshrun.api",
     "prepare_dataloader": "meshrun.api",
+    "heartbeat": "meshrun.debug.progress",
+    "check_dataloader": "meshrun.debug.data_check",
+    "check_optimizer": "meshrun.debug.optim_check",
 }
 
 

@@ -16,6 +16,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from meshrun.data.sampler import ResumableDistributedSampler
+from meshrun.debug.optim_check import check_optimizer
 from meshrun.errors import MeshrunError
 from meshrun.parallel.ddp import apply_ddp
 from meshrun.runtime.session import DistEnv, current, init
@@ -76,6 +77,7 @@ def prepare(model: nn.Module, optimizer=None, dataloader=None):
     """
     prepared: list[Any] = [prepare_model(model)]
     if optimizer is not None:
+        check_optimizer(prepared[0], optimizer)  # e.g. built before fully_shard: a silent no-op
         prepared.append(optimizer)
     if dataloader is not None:
         prepared.append(prepare_dataloader(dataloader))

@@ -244,7 +244,8 @@ def test_override_key_and_type_errors(override, expected):
         ("parallel.strategy=zero", "parallel.strategy must be one of 'ddp', 'fsdp', got 'zero'"),
         ("parallel.tp=0", "parallel.tp must be >= 1 or -1 (the ranks left), got 0"),
         ("parallel.tp=2", "parallel.tp must be 1 with parallel.strategy = 'ddp' (it only replicates), got 2"),
-        ("parallel.pp_schedule=zb", "parallel.pp_schedule must be one of 'gpipe', '1f1b', got 'zb'"),
+        ("parallel.pp_schedule=zb", "parallel.pp_schedule must be one of 'gpipe', '1f1b', 'interleaved_1f1b', "
+         "'looped_bfs', 'interleaved_zero_bubble', got 'zb'"),
         ("parallel.reduce_dtype=auto", "parallel.reduce_dtype must be one of 'fp32', 'bf16', got 'auto'"),
         ("checkpoint.interval=-1", "checkpoint.interval must be >= 0 (0 = off), got -1"),
         ("checkpoint.keep=0", "checkpoint.keep must be >= 1, got 0"),

@@ -25,6 +25,9 @@ def test_follow_on_errors_are_recognized():
     assert is_follow_on(_failure(0, exitcode=-15))  # stopped by the agent
     assert not is_follow_on(_failure(1, exc="ValueError", text="bad batch"))
     assert not is_follow_on(_failure(1, exitcode=-9))  # SIGKILL: OOM killer or the user
+    # SIGTERMed by the agent while still exiting from its own exception: that rank is a root cause
+    assert not is_follow_on(_failure(1, exitcode=-15, exc="ValueError", text="bad batch"))
+    assert is_follow_on(_failure(1, exitcode=-15, exc="KeyboardInterrupt"))
 
 
 def test_root_cause_leads_even_when_a_follow_on_was_earlier():

@@ -15,6 +15,8 @@ COMMANDS = {
     "plan": ("meshrun.cli.plan", "per-rank memory of each parallel layout; recommend one (--show: placements)"),
     "launch": ("meshrun.cli.launch", "start N workers of a script under torchrun's elastic agent"),
     "doctor": ("meshrun.cli.doctor", "check this machine for distributed training, with fixes"),
+    "diagnose": ("meshrun.cli.diagnose", "post-mortem of a failed run: timeline, first failure, cause and fix"),
+    "ckpt": ("meshrun.cli.ckpt", "list, inspect and export checkpoints (safetensors or torch)"),
 }
 
 USAGE = f"""\

@@ -19,6 +19,7 @@ from meshrun.config import JobConfig, load_config, save_config
 from meshrun.errors import ConfigError
 from meshrun.launch.args import build_parser as build_launch_parser
 from meshrun.launch.launcher import run_launch
+from meshrun.launch.slurm import apply_slurm
 from meshrun.train.preflight import preflight
 
 # Launch options that make no sense here: the training target is meshrun's own worker.
@@ -73,6 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("config", nargs="?", help="TOML config file; omitted = the embedded default")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                         help="override one config key (repeatable), e.g. --set optim.lr=3e-4")
+    parser.add_argument("--resume", metavar="auto|never|PATH",
+                        help="checkpoint.resume: 'auto' (default) = the run directory's latest valid checkpoint, "
+                             "'never' = start fresh, or a checkpoint directory (docs/checkpoint.md)")
     return parser
 
 
@@ -89,9 +93,11 @@ def _launch_argv_from_config(cfg: JobConfig, cli_launch: list[str]) -> list[str]
     ]
     if section.rdzv_endpoint:
         pairs.append(("--rdzv-endpoint", section.rdzv_endpoint))
+    # Defaults stay unset, so that SLURM (launch/slurm.py) can fill in the nodes and rendezvous.
+    defaults = {"--nnodes": "1", "--rdzv-backend": "static", "--rdzv-id": "none"}
     argv = []
     for flag, value in pairs:
-        if flag not in given:
+        if flag not in given and defaults.get(flag) != value:
             argv += [flag, value]
     return argv
 
@@ -108,14 +114,27 @@ def main(argv: list[str]) -> int:
     args = build_parser().parse_args(rest)
     if args.config and not os.path.isfile(args.config):
         raise ConfigError(f"config file {args.config!r} not found; see examples/configs/ for examples")
-    cfg = load_config(args.config, args.overrides)
+    overrides = args.overrides + ([f"checkpoint.resume={args.resume}"] if args.resume else [])
+    cfg = load_config(args.config, overrides)
     launch_argv = _launch_argv_from_config(cfg, cli_launch) + cli_launch
     launch_args = build_launch_parser().parse_args(launch_argv + ["-m", "meshrun.train.worker"])
+    apply_slurm(launch_args)  # before the layout check: SLURM may say there are several nodes
     preflight(cfg, nproc_per_node=launch_args.nproc_per_node, nnodes=launch_args.nnodes)
+    from meshrun.checkpoint.verify import check_resume  # torch: imported only once the input parsed
+
+    check_resume(cfg)  # --resume PATH: a valid checkpoint of this model's shape, or one line and exit 2
     run_dir = make_run_dir(cfg)
     save_config(cfg, run_dir / "config.toml")
     launch_args.training_script_args = ["--run-dir", str(run_dir)]
     if not launch_args.log_dir:
         launch_args.log_dir = str(run_dir / "logs")
     print(f"meshrun train: run directory {run_dir}", file=sys.stderr)
-    return run_launch(launch_args)
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    from meshrun.checkpoint.manager import preempted_exit_code
+
+    started = time.time()
+    try:
+        return run_launch(launch_args)
+    except SignalException as exc:  # SIGTERM/SIGINT to the agent; it has stopped the workers
+        return preempted_exit_code(run_dir, exc.sigval, since=started)

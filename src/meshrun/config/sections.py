@@ -16,7 +16,8 @@ DTYPES = ("fp32", "bf16")
 SCHEDULES = ("cosine", "constant", "linear")
 # Strategies the trainer implements; the N-D parallelism issue adds its own here.
 STRATEGIES = ("ddp", "fsdp")
-PP_SCHEDULES = ("gpipe", "1f1b")
+# Must equal meshrun.parallel.pipeline.SCHEDULES' keys (tests/unit/test_parallel_pipeline.py).
+PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble")
 _FACTORY = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
 _NNODES = re.compile(r"^(\d+)(?::(\d+))?$")
 
@@ -135,14 +136,19 @@ class ParallelSection(Section):
     """How the model and batch spread over ranks; degrees are checked against the world size at start."""
 
     section = "parallel"
-    strategy: str = doc_field("ddp", "'ddp' = every rank holds the whole model and gradients are all-reduced; 'fsdp' = FSDP2/HSDP and tensor parallel over one DeviceMesh, from the degrees below.")
+    strategy: str = doc_field("ddp", "'ddp' = every rank holds the whole model (or its pipeline stages) and gradients are all-reduced; 'fsdp' = FSDP2/HSDP, tensor and pipeline parallel over one DeviceMesh, from the degrees below.")
     dp_replicate: int = doc_field(-1, "Data-parallel replicas; -1 = the ranks left after the other degrees.")
     dp_shard: int = doc_field(1, "Data-parallel shards (FSDP); 1 = no sharding, -1 = the ranks left.")
     tp: int = doc_field(1, "Tensor-parallel degree (heads and FFN split over ranks); 1 = off.")
     pp: int = doc_field(1, "Pipeline-parallel stages; 1 = off.")
-    pp_schedule: str = doc_field("gpipe", "Pipeline schedule: 'gpipe' or '1f1b'.")
-    pp_microbatches: int = doc_field(0, "Micro-batches per pipeline step; 0 = one per stage.")
+    pp_schedule: str = doc_field("gpipe", "Pipeline schedule: 'gpipe', '1f1b' (one stage per rank), or 'interleaved_1f1b', 'looped_bfs', 'interleaved_zero_bubble' (several per rank; zero bubble only without data parallel).")
+    pp_microbatches: int = doc_field(0, "Micro-batches per pipeline step, dividing train.batch_size; 0 = one per stage.")
+    pp_stages_per_rank: int = doc_field(0, "Pipeline stages each rank holds; 0 = 1, or 2 for the interleaved schedules (which need >= 2).")
+    pp_split_points: str = doc_field("", "'' = blocks balanced over the stages; else the first block of each stage after the first, e.g. '1,3' or 'layers.1,layers.3'.")
+    sequence_parallel: bool = doc_field(False, "TP: also split the norms' activations along the sequence (needs tp > 1, pp = 1).")
+    loss_parallel: bool = doc_field(False, "TP: compute the loss on vocabulary-sharded logits, never gathering them (needs tp > 1, pp = 1).")
     fsdp_reshard_after_forward: bool = doc_field(True, "FSDP: free gathered parameters after forward and gather again in backward.")
+    fsdp_cpu_offload: bool = doc_field(False, "FSDP: keep sharded parameters, gradients and optimizer state in host memory (for accelerators; no effect on CPU).")
     param_dtype: str = doc_field("auto", "FSDP compute dtype of parameters: 'auto' = train.dtype, 'fp32' or 'bf16'.")
     reduce_dtype: str = doc_field("fp32", "FSDP dtype of the gradient reduce-scatter: 'fp32' or 'bf16'.")
 
@@ -155,10 +161,11 @@ class ParallelSection(Section):
         if len(rest) > 1:
             raise ConfigError(f"only one of parallel.{', parallel.'.join(degrees)} may be -1, got -1 for {', '.join(rest)}")
         if self.strategy == "ddp":
-            for name in ("dp_shard", "tp", "pp"):
+            for name in ("dp_shard", "tp"):
                 self.require(name, getattr(self, name) == 1, "1 with parallel.strategy = 'ddp' (it only replicates)")
         self.one_of("pp_schedule", PP_SCHEDULES)
         self.at_least("pp_microbatches", 0, " (0 = one per stage)")
+        self.at_least("pp_stages_per_rank", 0, " (0 = as the schedule needs)")
         self.one_of("param_dtype", ("auto", *DTYPES))
         self.one_of("reduce_dtype", DTYPES)
 
@@ -168,10 +175,11 @@ class CheckpointSection(Section):
     """Saving during training and resuming; the final weights are saved either way."""
 
     section = "checkpoint"
-    interval: int = doc_field(0, "Steps between checkpoints; 0 = none during training.")
+    interval: int = doc_field(0, "Steps between checkpoints (also one at the last step, and on SIGTERM/SIGINT); 0 = none.")
     keep: int = doc_field(3, "Checkpoints kept on disk; older ones are deleted.")
     async_save: bool = doc_field(False, "Write checkpoints in the background while training goes on.")
-    resume: str = doc_field("auto", "'auto' = from the run's latest checkpoint if any, 'never', or a checkpoint path.")
+    resume: str = doc_field("auto", "'auto' = from the run's latest valid checkpoint if any, 'never', or a checkpoint path.")
+    sample_log: bool = doc_field(False, "Append each step's data indices per rank to <run dir>/samples/ (audits exactly-once resume).")
 
     def validate(self) -> None:
         self.at_least("interval", 0, " (0 = off)")

@@ -18,6 +18,10 @@ runs underneath, so every torchrun flag works with the same name and meaning), a
   * every line of output prefixed [rank N] (or only rank 0's with --rank0-only)
   * per-rank logs on disk, and on failure a summary naming the rank that failed first,
     its exit code or signal, the exception with file:line and its last lines of output
+  * --max-restarts that recovers (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1), each failed attempt
+    printed and kept in <log-dir>/failures.log
+  * several nodes: the store host, node address and gloo/NCCL interface from this machine's
+    routes; under SLURM, --nnodes and --rdzv-* from SLURM_* (docs/multinode.md)
 """
 
 LAUNCH_EPILOG = """\
@@ -87,5 +91,22 @@ def build_parser(prog: str = "meshrun launch") -> argparse.ArgumentParser:
         "--no-prefix",
         action="store_true",
         help="Do not prefix output lines with [rank N].",
+    )
+    group.add_argument(
+        "--hang-timeout",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="Hang watchdog: when no rank makes progress (a collective, an optimizer step, "
+        "meshrun.heartbeat()) for this long, print every rank's stack and last collectives and fail "
+        "the job. 0 = off. Collective timeouts become 2x this (docs/diagnose.md). "
+        "Default: $MESHRUN_HANG_TIMEOUT, else 300.",
+    )
+    group.add_argument(
+        "--debug",
+        choices=["collectives"],
+        default=os.environ.get("MESHRUN_DEBUG") or None,
+        help="collectives: compare every collective's op, shapes and call site across ranks before "
+        "it runs; the first divergence stops the job, naming the rank and file:line.",
     )
     return parser

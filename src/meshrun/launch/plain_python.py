@@ -101,6 +101,11 @@ def install_excepthook() -> None:
         if "meshrun.cli" in sys.modules:
             return  # meshrun's own commands: a KeyError there is a bug, not a launch mistake
         line = explain_missing_launcher_env(exc)
+        if line is None:  # DDP device_ids, FSDP forward, ...: meshrun.debug.explain
+            from meshrun.debug.explain import explain
+
+            hint = explain(exc_type.__name__, str(exc))
+            line = f"meshrun: {hint}" if hint else None
         if line:
             print(line, file=sys.stderr)
 

@@ -31,6 +31,8 @@ FOLLOW_ON_PATTERNS = (
     "recvBytes",
     "sendBytes",
 )
+# The hang watchdog's report on a rank that was waiting for a peer (meshrun.debug.watchdog).
+WATCHDOG_WAITING = (" is waiting in ", " is waiting inside torch")
 _TB_LINE = re.compile(r'File "([^"]+)", line (\d+), in (\S+)')
 TAIL_LINES = 12
 STDOUT_TAIL_LINES = 5
@@ -52,6 +54,7 @@ class RankFailure:
     stdout_tail: list[str] | None = None
     log_dir: str | None = None
     follow_on: bool = False
+    hint: str | None = None  # meshrun's explanation of a known torch error (debug/explain.py)
 
     @property
     def signal_name(self) -> str | None:
@@ -97,7 +100,9 @@ def rank_log_dir(root: str | None, local_rank: int) -> str | None:
     if not root:
         return None
     found = glob.glob(os.path.join(root, "*", "attempt_*", str(local_rank)))
-    found.sort(key=lambda p: int(p.split("attempt_")[-1].split(os.sep)[0]))
+    # a reused --log-dir holds several runs: the newest attempt of the newest run
+    found.sort(key=lambda p: (os.path.getmtime(os.path.dirname(os.path.dirname(p))),
+                              int(p.split("attempt_")[-1].split(os.sep)[0])))
     return found[-1] if found else None
 
 
@@ -109,6 +114,7 @@ def _from_error_data(failure: RankFailure, data: dict) -> None:
         failure.exc_type = extra.get("type")
         failure.exc_text = extra.get("text")
         failure.site = f"{extra.get('file')}:{extra.get('line')} in {extra.get('function')}"
+        failure.hint = extra.get("hint")
         return
     if isinstance(message, dict):  # torchelastic @record format: "Type: text" + py_callstack
         head = str(message.get("message", ""))
@@ -139,7 +145,11 @@ def collect_failures(child_failed_error, log_root: str | None) -> list[RankFailu
     for rank, pf in child_failed_error.failures.items():
         failure = RankFailure(rank, pf.local_rank, pf.pid, pf.exitcode, float(pf.timestamp))
         _from_error_data(failure, _read_error_file(getattr(pf, "error_file", None)))
-        failure.log_dir = rank_log_dir(log_root, pf.local_rank)
+        # torchelastic writes error.json next to the rank's stdout/stderr logs: that directory is
+        # exact even when nodes share a --log-dir; the newest attempt is a fallback.
+        error_file = getattr(pf, "error_file", None)
+        own_dir = os.path.dirname(error_file) if error_file else None
+        failure.log_dir = own_dir if own_dir and os.path.isdir(own_dir) else rank_log_dir(log_root, pf.local_rank)
         if failure.log_dir:
             failure.tail = _tail(os.path.join(failure.log_dir, "stderr.log"))
             failure.stdout_tail = _tail(os.path.join(failure.log_dir, "stdout.log"), STDOUT_TAIL_LINES)
@@ -147,15 +157,40 @@ def collect_failures(child_failed_error, log_root: str | None) -> list[RankFailu
                 _exception_from_log(failure, failure.tail)
         failure.follow_on = is_follow_on(failure)
         failures.append(failure)
-    return order_by_cause(failures)
+    failures = order_by_cause(failures)
+    save_failures(failures, log_root)
+    return failures
+
+
+FAILURES_FILE = "failures.json"
+
+
+def save_failures(failures: list[RankFailure], log_root: str | None) -> None:
+    """What the agent knows and the rank logs do not (exit codes, signals), for `meshrun diagnose`."""
+    if not log_root or not os.path.isdir(log_root):
+        return
+    rows = [{"rank": f.rank, "local_rank": f.local_rank, "pid": f.pid, "exitcode": f.exitcode,
+             "signal": f.signal_name, "time": f.time, "host": socket.gethostname(),
+             "log_dir": f.log_dir, "follow_on": f.follow_on} for f in failures]
+    try:
+        with open(os.path.join(log_root, FAILURES_FILE), "w") as fp:
+            json.dump({"failures": rows}, fp, indent=1)
+    except OSError:
+        pass
 
 
 def is_follow_on(failure: RankFailure) -> bool:
     """True when the rank failed because a peer went away, not on its own."""
-    if failure.signal_name in ("SIGTERM", "SIGINT", "SIGHUP"):
-        return True  # the agent stops the survivors with these
     text = " ".join(filter(None, [failure.exc_type, failure.exc_text]))
-    return any(pattern in text for pattern in FOLLOW_ON_PATTERNS)
+    if failure.exc_type == "HangDetected":  # the watchdog's abort: a consequence on a rank that waited
+        return any(pattern in text for pattern in WATCHDOG_WAITING)
+    if any(pattern in text for pattern in FOLLOW_ON_PATTERNS):
+        return True
+    if failure.signal_name in ("SIGTERM", "SIGINT", "SIGHUP"):
+        # The agent stops the survivors with these. A rank that recorded an exception of its
+        # own before the agent's signal reached it (it was still exiting) failed on its own.
+        return failure.exc_type in (None, "KeyboardInterrupt", "SystemExit")
+    return False
 
 
 def order_by_cause(failures: list[RankFailure]) -> list[RankFailure]:
@@ -177,6 +212,8 @@ def format_summary(failures: list[RankFailure], log_root: str | None, attempts: 
         lines.append(f"  {root.exc_type}: {root.exc_text}")
     if root.site:
         lines.append(f"  at {root.site}")
+    if root.hint:
+        lines.append(f"  fix: {root.hint}")
     for stream, tail in (("stdout", root.stdout_tail), ("stderr", root.tail)):
         if tail:
             lines.append(f"  last lines of rank {root.rank}'s {stream}:")
@@ -184,8 +221,8 @@ def format_summary(failures: list[RankFailure], log_root: str | None, attempts: 
     if len(failures) > 1:
         lines.append("  then, as a consequence:" if failures[1].follow_on else "  other failed ranks:")
         for other in failures[1:]:
-            what = f"{other.exc_type}: {other.exc_text}" if other.exc_type else other.status
-            lines.append(f"    rank {other.rank}: {other.status}; {_clip(what)}")
+            what = f"; {_clip(f'{other.exc_type}: {other.exc_text}')}" if other.exc_type else ""
+            lines.append(f"    rank {other.rank}: {other.status}{what}")
     if root.log_dir:
         lines.append(f"  rank {root.rank}'s full output: {root.log_dir}/stderr.log and stdout.log")
     if log_root:

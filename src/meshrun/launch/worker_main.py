@@ -18,6 +18,7 @@ import traceback
 _SKIP_FILES = {os.path.abspath(__file__), os.path.abspath(runpy.__file__), "<frozen runpy>"}
 _LIBRARY_DIRS = tuple(
     {os.path.abspath(p) for p in (sys.prefix, sys.base_prefix, sys.exec_prefix)}
+    | {os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep}  # meshrun itself
 )
 
 
@@ -42,7 +43,16 @@ def _is_user_file(path: str) -> bool:
     return not path.startswith(_LIBRARY_DIRS) and "site-packages" not in path and not path.startswith("<")
 
 
-def _write_error_file(exc: BaseException, tb, formatted: str) -> None:
+def _explain(exc: BaseException) -> str | None:
+    """meshrun's explanation of a torch error the guide warns about (meshrun.debug.explain)."""
+    try:
+        from meshrun.debug.explain import explain
+    except ImportError:
+        return None
+    return explain(type(exc).__name__, str(exc))
+
+
+def _write_error_file(exc: BaseException, tb, formatted: str, hint: str | None = None) -> None:
     """torchelastic's error.json format, plus a `meshrun` block with exact time and call site."""
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not path:
@@ -67,6 +77,7 @@ def _write_error_file(exc: BaseException, tb, formatted: str) -> None:
             "raised_file": raised[0],
             "raised_line": raised[1],
             "rank": os.environ.get("RANK"),
+            "hint": hint,
         },
     }
     try:
@@ -97,6 +108,14 @@ def _die_with_agent() -> None:
         pass
 
 
+def _install_debug() -> None:
+    """Hang watchdog and --debug collectives (meshrun.debug), only when the launcher asked."""
+    if os.environ.get("MESHRUN_DEBUG") or os.environ.get("MESHRUN_HANG_TIMEOUT", "0") not in ("0", ""):
+        from meshrun.debug.hooks import install_import_hook
+
+        install_import_hook()
+
+
 def run(argv: list[str]) -> int:
     """Run `[-m] TARGET ARGS...` as `__main__`; return the process exit code."""
     as_module = bool(argv) and argv[0] == "-m"
@@ -108,6 +127,7 @@ def run(argv: list[str]) -> int:
     target, args = argv[0], argv[1:]
     faulthandler.enable()  # a segfault or abort still leaves a Python stack in the rank's log
     _die_with_agent()
+    _install_debug()
     try:
         if as_module:
             sys.argv = [target, *args]
@@ -130,8 +150,15 @@ def run(argv: list[str]) -> int:
         _mark_runtime_failed()
         tb = _user_traceback(exc)
         formatted = "".join(traceback.format_exception(type(exc), exc, tb))
+        if getattr(exc, "meshrun_diagnosis", False):  # meshrun's own report: the user's frames only
+            frames = [f for f in traceback.extract_tb(tb) if _is_user_file(f.filename)]
+            formatted = "".join(["Traceback (most recent call last):\n", *traceback.format_list(frames),
+                                 f"{type(exc).__name__}: {exc}\n"])
         sys.stderr.write(formatted)
-        _write_error_file(exc, tb, formatted)
+        hint = _explain(exc)
+        if hint:
+            sys.stderr.write(f"meshrun: {hint}\n")
+        _write_error_file(exc, tb, formatted, hint)
         return 1
     return 0
 

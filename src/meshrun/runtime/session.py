@@ -23,6 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from meshrun.debug import hooks as debug_hooks
 from meshrun.errors import MeshrunError, WorldSizeError
 from meshrun.runtime.device import pick_backend, pick_device
 from meshrun.runtime.env import read_launch_env
@@ -120,12 +121,13 @@ def _init(
         chosen = dist.get_backend()
         rank, world = dist.get_rank(), dist.get_world_size()
     else:
-        _create_group(chosen, dev, _as_timedelta(timeout), launched=launch.launched)
+        _create_group(chosen, dev, debug_hooks.collective_timeout(_as_timedelta(timeout)), launched=launch.launched)
         _session.owns_group = True
         rank, world = dist.get_rank(), dist.get_world_size()
     local_world = launch.local_world_size if launch.launched else 1
     _session.env = DistEnv(rank, launch.local_rank, world, local_world, dev, chosen)
     _install_hooks()
+    debug_hooks.after_init()  # hang watchdog, --debug collectives (when meshrun launch asked)
     return _session.env
 
 
@@ -188,6 +190,7 @@ def shutdown(*, failed: bool = False, timeout: float = SHUTDOWN_BARRIER_TIMEOUT_
     failed=True skips the barrier: a failing rank must not wait for peers. timeout bounds the
     barrier on every rank, so a peer that hangs instead of exiting delays teardown, never blocks it.
     """
+    debug_hooks.before_shutdown()  # peers' fingerprint checks learn this rank is done
     owned, _session.env, _session.owns_group = _session.owns_group, None, False
     if not owned or not dist.is_initialized():
         return

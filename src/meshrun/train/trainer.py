@@ -12,10 +12,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
 
+from meshrun.checkpoint import Checkpointer
 from meshrun.config import JobConfig
 from meshrun.data.loader import build_loaders
 from meshrun.data.tokenizer import load_tokenizer
@@ -30,14 +29,19 @@ from meshrun.metrics.system import (
     peak_memory_kind,
 )
 from meshrun.models.factory import build_model
-from meshrun.parallel import parallelize, unwrap_model
-from meshrun.parallel.dims import ParallelDims
-from meshrun.parallel.parallelize import full_state_dict, parallelize_nd
+from meshrun.parallel.layout import Layout, build_layout
 from meshrun.runtime.session import DistEnv
 from meshrun.train.optim import build_optimizer, build_scheduler
 from meshrun.train.seed import seed_everything
 from meshrun.train.state import TrainState
-from meshrun.train.step import DTYPES, evaluate, train_step
+from meshrun.train.step import (
+    DTYPES,
+    evaluate,
+    evaluate_pp,
+    mean_loss_across_ranks,
+    train_step,
+    train_step_pp,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -53,14 +57,6 @@ class TrainResult:
     eval_losses: list[tuple[int, float]]
     weights_path: Path | None
     tokens_per_s: float | None
-
-
-def _mean_across_ranks(value: torch.Tensor, world_size: int) -> float:
-    if world_size > 1:
-        value = value.detach().clone()
-        dist.all_reduce(value, op=dist.ReduceOp.SUM)
-        value /= world_size
-    return float(value.item())
 
 
 def _resolved_seq_len(cfg: JobConfig, model: nn.Module) -> int:
@@ -92,16 +88,20 @@ def train(cfg: JobConfig, env: DistEnv, run_dir: Path) -> TrainResult:
     vocab = getattr(getattr(model, "args", None), "vocab_size", None)
     num_params = sum(p.numel() for p in model.parameters())
     flops_tok = _flops_per_token(model, seq_len)
-    model, dp_rank, dp_size = _parallelize(model, cfg, env)
+    layout = build_layout(model, cfg.parallel, device=env.device, world_size=env.world_size, train_cfg=tcfg)
+    dp_rank, dp_size, pipeline = layout.dp_rank, layout.dp_size, layout.pipeline
 
     # ③ data: this data-parallel rank's disjoint share; the sampler reshuffles every epoch itself
     train_batches, val_loader, _ = build_loaders(
         cfg.data, seq_len=seq_len, batch_size=tcfg.batch_size, dp_rank=dp_rank,
         dp_size=dp_size, seed=tcfg.seed, tokenizer=tokenizer, vocab_size=vocab)
-    model_parts = [model]  # one part per pipeline stage held by this rank; one without PP
+    model_parts = layout.parts  # one part per pipeline stage held by this rank; one without PP
+    model = model_parts[0]
     optimizers = [build_optimizer(part, cfg.optim) for part in model_parts]
     schedulers = [build_scheduler(opt, cfg.optim, tcfg.steps) for opt in optimizers]
     state = TrainState(model_parts, optimizers, schedulers, train_batches)
+    checkpointer = Checkpointer(cfg.checkpoint, run_dir=run_dir, env=env, layout=_layout_record(cfg, dp_size))
+    checkpointer.resume(state)  # the latest valid checkpoint (checkpoint.resume), resharded to this layout
 
     tokens_per_step = tcfg.batch_size * tcfg.grad_accum * seq_len * dp_size
     peak = device_peak_flops(env.device, DTYPES[tcfg.dtype])
@@ -120,19 +120,31 @@ def train(cfg: JobConfig, env: DistEnv, run_dir: Path) -> TrainResult:
     def run_eval(step: int) -> None:
         if val_loader is None:
             return
-        local = evaluate(model, val_loader, steps=cfg.train.eval_steps, device=env.device, dtype=tcfg.dtype)
-        value = _mean_across_ranks(local, env.world_size)
+        if pipeline is not None:
+            local = evaluate_pp(pipeline, val_loader, steps=tcfg.eval_steps, device=env.device, dtype=tcfg.dtype)
+        else:
+            local = evaluate(model, val_loader, steps=tcfg.eval_steps, device=env.device, dtype=tcfg.dtype,
+                             loss_parallel=layout.loss_parallel)
+        value = mean_loss_across_ranks(local, env.world_size, layout.pp)
         eval_losses.append((step, value))
         metrics.log_eval(step, eval_loss=value)
         progress.write(f"step {step}: eval loss {value:.4f}")
 
     # ④ the loop
-    model.train()
-    run_eval(0)
+    for part in model_parts:
+        part.train()
+    if state.step == 0:  # a resumed run has its step-0 eval already
+        run_eval(0)
     for step in range(state.step + 1, tcfg.steps + 1):
         timer.start()
-        loss, grad_norm, compute_s = train_step(model, optimizers[0], train_batches, grad_accum=tcfg.grad_accum,
-                                                device=env.device, dtype=tcfg.dtype, grad_clip=tcfg.grad_clip)
+        if pipeline is not None:
+            loss, grad_norm, compute_s = train_step_pp(
+                pipeline, optimizers, train_batches, grad_accum=tcfg.grad_accum, device=env.device,
+                dtype=tcfg.dtype, grad_clip=tcfg.grad_clip, pp_group=layout.pp_group)
+        else:
+            loss, grad_norm, compute_s = train_step(
+                model, optimizers[0], train_batches, grad_accum=tcfg.grad_accum, device=env.device,
+                dtype=tcfg.dtype, grad_clip=tcfg.grad_clip, loss_parallel=layout.loss_parallel)
         lr = schedulers[0].get_last_lr()[0]
         for scheduler in schedulers:
             scheduler.step()
@@ -143,7 +155,7 @@ def train(cfg: JobConfig, env: DistEnv, run_dir: Path) -> TrainResult:
         log_now = step % cfg.metrics.interval == 0 or step == tcfg.steps
         show_now = step % tcfg.log_interval == 0 or step == tcfg.steps
         if log_now or show_now:
-            value = _mean_across_ranks(loss, env.world_size)  # a collective: every rank, same steps
+            value = mean_loss_across_ranks(loss, env.world_size, layout.pp)  # a collective: every rank, same steps
             losses.append((step, value))
             if log_now:
                 metrics.log_train(step, loss=value, lr=lr, grad_norm=float(grad_norm),
@@ -156,31 +168,21 @@ def train(cfg: JobConfig, env: DistEnv, run_dir: Path) -> TrainResult:
             progress.update(step)
         if tcfg.eval_interval and step % tcfg.eval_interval == 0 and step != tcfg.steps:
             run_eval(step)
+        checkpointer.step_done(state)  # every checkpoint.interval steps; SIGTERM: save, raise Preempted
+    checkpointer.finish(state)
     run_eval(tcfg.steps)
     progress.close()
 
-    weights = _save_final_weights(model, run_dir, env)
+    weights = _save_final_weights(layout, run_dir, env)
     metrics.log_meta(event="end", tokens_per_s=timer.mean_tokens_per_s,
                      peak_mem_bytes=peak_memory_bytes(env.device))
     metrics.close()
     return TrainResult(tcfg.steps, losses, eval_losses, weights, timer.mean_tokens_per_s)
 
 
-def _parallelize(model: nn.Module, cfg: JobConfig, env: DistEnv) -> tuple[nn.Module, int, int]:
-    """(wrapped model, dp rank, dp size): DDP over the world, or the N-D layout over one mesh."""
-    if cfg.parallel.strategy == "ddp":
-        wrapped = parallelize(model, cfg.parallel, device=env.device, world_size=env.world_size,
-                              activation_checkpointing=cfg.train.activation_checkpointing)
-        return wrapped, env.rank, env.world_size
-    dims = ParallelDims.from_config(cfg.parallel, env.world_size)
-    mesh = dims.build_mesh(env.device.type)
-    pcfg = cfg.parallel
-    param_dtype = DTYPES[cfg.train.dtype if pcfg.param_dtype == "auto" else pcfg.param_dtype]
-    wrapped = parallelize_nd(model, dims, mesh, device=env.device, param_dtype=param_dtype,
-                             reduce_dtype=DTYPES[pcfg.reduce_dtype],
-                             reshard_after_forward=pcfg.fsdp_reshard_after_forward,
-                             activation_checkpointing=cfg.train.activation_checkpointing)
-    return wrapped, dims.dp_rank(mesh), dims.dp_size
+def _layout_record(cfg: JobConfig, dp_size: int) -> dict:
+    p = cfg.parallel
+    return {"strategy": p.strategy, "dp": dp_size, "dp_shard": p.dp_shard, "tp": p.tp, "pp": p.pp}
 
 
 def _sync_fn(device: torch.device):
@@ -189,12 +191,12 @@ def _sync_fn(device: torch.device):
     return lambda: torch.accelerator.synchronize(device)
 
 
-def _save_final_weights(model: nn.Module, run_dir: Path, env: DistEnv) -> Path | None:
-    """Rank 0 saves the unwrapped model's state_dict once: plain torch loads it with weights_only."""
-    if any(isinstance(p, DTensor) for p in model.parameters()):
-        state = full_state_dict(model)  # a collective: every rank gathers, rank 0 keeps the result
-    elif env.is_main:
-        state = {k: v.detach().cpu() for k, v in unwrap_model(model).state_dict().items()}
+def _save_final_weights(layout: Layout, run_dir: Path, env: DistEnv) -> Path | None:
+    """Rank 0 saves the whole unwrapped model's state_dict once: plain torch loads it with weights_only.
+
+    With FSDP/TP/PP the shards and stages are gathered first (collectives on every rank).
+    """
+    state = layout.full_state_dict()
     if not env.is_main:
         return None
     path = run_dir / WEIGHTS_FILE

@@ -1,0 +1,201 @@
+"""`meshrun diagnose`: read a failed run's per-rank logs and say what happened first, and the fix.
+
+A log root is what `meshrun launch --log-dir` (or `meshrun train`'s RUN_DIR/logs) holds:
+`<run id>/attempt_N/<local rank>/{stdout.log,stderr.log,error.json}`, plus failures.json
+written by the launcher with each rank's exit code or signal.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import re
+import time
+from dataclasses import asdict, dataclass, field
+
+from meshrun.debug.classify import DATA, FOLLOW_ON, classify
+from meshrun.errors import MeshrunError
+from meshrun.launch.summary import FAILURES_FILE, RankFailure, is_follow_on
+
+_EXC_LINE = re.compile(r"^([A-Za-z_][\w.]*(?:Error|Exception|Interrupt|Exit|Detected)): (.*)$")
+
+
+@dataclass
+class RankReport:
+    rank: int
+    local_rank: int
+    host: str | None = None
+    exitcode: int | None = None
+    signal: str | None = None
+    time: float | None = None  # when it failed (error.json), else its log's last write
+    exc_type: str | None = None
+    exc_text: str | None = None
+    site: str | None = None
+    kind: str = ""
+    fix: str = ""
+    follow_on: bool = False
+    failed: bool = False
+    warnings: list[str] = field(default_factory=list)
+    log_dir: str = ""
+
+
+@dataclass
+class Diagnosis:
+    log_root: str
+    run: str
+    attempt: int
+    attempts: int
+    ranks: list[RankReport]
+    first: RankReport | None
+
+    def to_json(self) -> dict:
+        return {"log_root": self.log_root, "run": self.run, "attempt": self.attempt, "attempts": self.attempts,
+                "classification": self.first.kind if self.first else None,
+                "first_failure": asdict(self.first) if self.first else None,
+                "fix": self.first.fix if self.first else None,
+                "timeline": timeline(self), "ranks": [asdict(r) for r in self.ranks]}
+
+
+def find_log_root(path: str) -> str:
+    """The directory holding <run>/attempt_N/: PATH itself, or PATH/logs (a `meshrun train` run dir)."""
+    for candidate in (path, os.path.join(path, "logs")):
+        if glob.glob(os.path.join(candidate, "*", "attempt_*", "*")):
+            return candidate
+    raise MeshrunError(f"{path!r} holds no rank logs (<run>/attempt_N/<rank>/); give a `meshrun train` run "
+                       f"directory or a `meshrun launch --log-dir` directory")
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path, errors="replace") as fp:
+            return fp.read()
+    except OSError:
+        return ""
+
+
+def _rank_report(rank_dir: str, agent: dict) -> RankReport:
+    local_rank = int(os.path.basename(rank_dir))
+    stderr = _read(os.path.join(rank_dir, "stderr.log"))
+    stdout = _read(os.path.join(rank_dir, "stdout.log"))
+    report = RankReport(rank=local_rank, local_rank=local_rank, log_dir=rank_dir)
+    try:
+        data = json.loads(_read(os.path.join(rank_dir, "error.json")) or "{}")
+    except ValueError:
+        data = {}
+    extra = data.get("meshrun") if isinstance(data, dict) else None
+    if isinstance(extra, dict):
+        report.failed = True
+        report.time = float(extra.get("time") or 0) or None
+        report.exc_type, report.exc_text = extra.get("type"), extra.get("text")
+        report.site = f"{extra.get('file')}:{extra.get('line')} in {extra.get('function')}"
+        if str(extra.get("rank", "")).isdigit():
+            report.rank = int(extra["rank"])
+    elif isinstance(data.get("message"), dict):
+        report.failed = True
+        report.exc_type, _, report.exc_text = str(data["message"].get("message", "")).partition(": ")
+    else:
+        for line in reversed(stderr.splitlines()):
+            match = _EXC_LINE.match(line.strip())
+            if match:
+                report.failed = True
+                report.exc_type, report.exc_text = match.group(1), match.group(2)
+                break
+    if agent:
+        report.failed = True
+        report.exitcode, report.signal = agent.get("exitcode"), agent.get("signal")
+        report.host = agent.get("host")
+        report.time = report.time or agent.get("time")
+    if report.time is None:
+        mtimes = [os.path.getmtime(p) for p in glob.glob(os.path.join(rank_dir, "*.log"))]
+        report.time = max(mtimes) if mtimes else None
+    report.warnings = [line.strip() for line in (stdout + stderr).splitlines() if "meshrun: data warning" in line]
+    failure = RankFailure(report.rank, local_rank, 0, report.exitcode if report.exitcode is not None else 1,
+                          report.time or 0.0, report.exc_type, report.exc_text)
+    report.follow_on = report.failed and is_follow_on(failure)
+    kind = classify(report.exc_type, report.exc_text, stderr, report.signal, report.follow_on)
+    if not report.failed and report.warnings:
+        kind = DATA
+    report.kind, report.fix = kind.name, kind.fix
+    if isinstance(extra, dict) and extra.get("hint"):
+        report.fix = extra["hint"]  # meshrun's explanation of this exact torch error
+    return report
+
+
+def diagnose(path: str) -> Diagnosis:
+    """Read the newest run under PATH, its last attempt, every rank."""
+    root = find_log_root(path)
+    runs = sorted(glob.glob(os.path.join(root, "*", "attempt_*")), key=os.path.getmtime)
+    run_dir = os.path.dirname(runs[-1])
+    attempts = sorted(glob.glob(os.path.join(run_dir, "attempt_*")), key=lambda p: int(p.rsplit("_", 1)[1]))
+    last = attempts[-1]
+    agent = {}
+    try:
+        rows = json.loads(_read(os.path.join(root, FAILURES_FILE)) or "{}").get("failures", [])
+        agent = {int(r["local_rank"]): r for r in rows if str(r.get("log_dir") or "").startswith(last)}
+    except (ValueError, KeyError, TypeError):
+        pass
+    ranks = [_rank_report(d, agent.get(int(os.path.basename(d)), {}))
+             for d in sorted(glob.glob(os.path.join(last, "*")), key=lambda p: os.path.basename(p))
+             if os.path.basename(d).isdigit()]
+    ranks.sort(key=lambda r: r.rank)
+    failed = [r for r in ranks if r.failed]
+    ordered = sorted(failed, key=lambda r: (r.follow_on, r.time or 0.0, r.rank))
+    first = ordered[0] if ordered else next((r for r in ranks if r.warnings), None)
+    return Diagnosis(root, os.path.basename(run_dir), int(last.rsplit("_", 1)[1]), len(attempts), ranks, first)
+
+
+def timeline(diag: Diagnosis) -> list[dict]:
+    """Each rank's failure (or last output) in time order, relative to the earliest."""
+    events = [r for r in diag.ranks if r.time]
+    if not events:
+        return []
+    t0 = min(r.time for r in events)
+    rows = []
+    for r in sorted(events, key=lambda r: r.time):
+        if r.failed:
+            what = f"{r.exc_type}: {r.exc_text}" if r.exc_type else (f"killed by {r.signal}" if r.signal else
+                                                                     f"exit code {r.exitcode}")
+        else:
+            what = "last output (no failure recorded)"
+        rows.append({"t": round(r.time - t0, 3), "clock": time.strftime("%H:%M:%S", time.localtime(r.time)),
+                     "rank": r.rank, "event": what, "kind": r.kind})
+    return rows
+
+
+def format_diagnosis(diag: Diagnosis) -> str:
+    lines = [f"meshrun diagnose: {diag.log_root} (run {diag.run}, attempt {diag.attempt + 1} of {diag.attempts}, "
+             f"{len(diag.ranks)} rank(s))", "timeline:"]
+    for row in timeline(diag):
+        lines.append(f"  {row['clock']} +{row['t']:6.2f}s  rank {row['rank']}: {_clip(row['event'])}")
+    first = diag.first
+    if first is None:
+        lines.append("no rank failed and no warning was found: the run looks healthy")
+        return "\n".join(lines)
+    where = f" on {first.host}" if first.host else ""
+    lines.append(f"first failure: rank {first.rank} (local rank {first.local_rank}{where})")
+    if first.exc_type:
+        lines.append(f"  {first.exc_type}: {first.exc_text}")
+    if first.site:
+        lines.append(f"  at {first.site}")
+    if first.signal:
+        lines.append(f"  killed by {first.signal}")
+    lines.append(f"classification: {first.kind}")
+    lines.append(f"fix: {first.fix}")
+    rest = [r for r in diag.ranks if r is not first and r.failed]
+    if rest:
+        lines.append("then, on the other ranks:")
+        for r in rest:
+            label = "consequence" if r.follow_on or r.kind == FOLLOW_ON.name else r.kind
+            what = f"{r.exc_type}: {r.exc_text}" if r.exc_type else (f"killed by {r.signal}" if r.signal else "failed")
+            lines.append(f"  rank {r.rank} ({label}): {_clip(what)}")
+    warnings = [w for r in diag.ranks for w in r.warnings]
+    if warnings and first.kind != DATA.name:
+        lines.append(f"warnings: {warnings[0]}" + (f" (+{len(warnings) - 1} more)" if len(warnings) > 1 else ""))
+    lines.append(f"logs: {os.path.join(diag.log_root, diag.run)}/attempt_{diag.attempt}/<local_rank>/stderr.log")
+    return "\n".join(lines)
+
+
+def _clip(text: str, width: int = 160) -> str:
+    text = " ".join(str(text).split())
+    return text if len(text) <= width else text[: width - 3] + "..."

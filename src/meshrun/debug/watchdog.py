@@ -1,0 +1,145 @@
+"""The hang watchdog: when no rank makes progress for --hang-timeout seconds, fail with stacks.
+
+Progress is a returned collective (collectives.py), an optimizer step (a global step hook, so
+any training loop counts), or an explicit `meshrun.heartbeat()`. A background thread reads the
+local counter once a second: the training loop itself pays nothing beyond those increments.
+Each thread adds its rank's new progress to one store counter; when that job-wide counter has
+not moved for the timeout, the first thread to see it raises the alarm under a store key, every
+rank prints its stack and last collectives, writes error.json and exits with HANG_EXIT_CODE,
+so the elastic agent fails (or restarts) the job instead of waiting out torch's timeout.
+The watchdog arms at the first progress anywhere: start-up and loading never count as a hang.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+import time
+
+from meshrun.debug import progress
+
+HANG_EXIT_CODE = 124
+ALARM_KEY = "hang/alarm"
+DUMPED_KEY = "hang/dumped"
+PROGRESS_KEY = "hang/progress"
+DUMP_GRACE_S = 5.0  # how long the first rank waits for the others to print their stacks
+
+
+class Watchdog(threading.Thread):
+    def __init__(self, timeout_s: float, rank: int, world_size: int, store_factory, skip_dirs) -> None:
+        super().__init__(name="meshrun-hang-watchdog", daemon=True)
+        self.timeout_s = timeout_s
+        self.rank = rank
+        self.world_size = world_size
+        self.store_factory = store_factory
+        self.skip_dirs = skip_dirs
+        self.poll_s = min(1.0, timeout_s / 10)
+        self.stopped = threading.Event()
+
+    def run(self) -> None:
+        store = self.store_factory()
+        if store is None:
+            return
+        published = 0
+        seen_total, changed_at = -1, time.monotonic()
+        while not self.stopped.wait(self.poll_s):
+            try:
+                local = progress.count()
+                if local != published:
+                    total = store.add(PROGRESS_KEY, local - published)
+                    published = local
+                else:
+                    total = store.add(PROGRESS_KEY, 0)
+                if store.check([ALARM_KEY]):
+                    return self._fire(store, json.loads(store.get(ALARM_KEY)))
+            except Exception:  # noqa: BLE001 - the store went away: the job is ending anyway
+                return
+            now = time.monotonic()
+            if total != seen_total:
+                seen_total, changed_at = total, now
+            elif total > 0 and now - changed_at >= self.timeout_s:
+                alarm = {"rank": self.rank, "time": time.time(), "idle_s": round(now - changed_at, 1)}
+                try:  # the first rank to see it sets the alarm; everyone reports that one
+                    alarm = json.loads(store.compare_set(ALARM_KEY, "", json.dumps(alarm)))
+                except Exception:  # noqa: BLE001
+                    pass
+                return self._fire(store, alarm)
+
+    def _fire(self, store, alarm: dict) -> None:
+        from meshrun.debug.stacks import dump_all_threads, main_thread_site
+
+        site, in_torch = main_thread_site(self.skip_dirs)
+        inside = progress.open_collective()
+        if inside is not None:
+            where = f"waiting in {inside.op} #{inside.seq} at {inside.site} for a peer"
+        elif in_torch:
+            where = f"waiting inside torch (a collective or a kernel) called from {site}"
+        else:
+            where = f"stalled in user code at {site}"
+        head = (f"hang watchdog: no rank made progress for {self.timeout_s:g}s (--hang-timeout); "
+                f"rank {self.rank} is {where}")
+        err = sys.stderr
+        print(f"meshrun: {head}", file=err)
+        print(f"meshrun: rank {self.rank}'s last collectives (oldest first):", file=err)
+        for record in progress.recent:
+            print(f"    {record.describe()}", file=err)
+        if not progress.recent:
+            print("    none seen from Python", file=err)
+        _flight_recorder(err)
+        print(f"meshrun: rank {self.rank}'s Python stacks, every thread:", file=err)
+        dump_all_threads(err)
+        _write_error_file(head, site)
+        try:
+            store.add(DUMPED_KEY, 1)
+            deadline = time.monotonic() + DUMP_GRACE_S
+            while store.add(DUMPED_KEY, 0) < self.world_size and time.monotonic() < deadline:
+                time.sleep(0.1)
+        except Exception:  # noqa: BLE001
+            pass
+        err.flush()
+        sys.stdout.flush()
+        os._exit(HANG_EXIT_CODE)
+
+
+def _flight_recorder(err) -> None:
+    """NCCL's flight recorder (best effort): the collectives in flight on every communicator."""
+    try:
+        import torch.distributed as dist
+
+        if not dist.is_initialized() or dist.get_backend() != "nccl":
+            return
+        import pickle
+
+        import torch
+
+        trace = pickle.loads(torch._C._distributed_c10d._dump_nccl_trace())
+        entries = trace.get("entries", [])[-8:]
+        print(f"meshrun: NCCL flight recorder, last {len(entries)} entries:", file=err)
+        for entry in entries:
+            print(f"    {entry.get('profiling_name')} seq={entry.get('collective_seq_id')} "
+                  f"state={entry.get('state')} sizes={entry.get('input_sizes')}", file=err)
+    except Exception as exc:  # noqa: BLE001
+        print(f"meshrun: NCCL flight recorder unavailable ({type(exc).__name__}); set "
+              "TORCH_NCCL_TRACE_BUFFER_SIZE=2000 to enable it", file=err)
+
+
+def _write_error_file(head: str, site: str) -> None:
+    """error.json in the launch bootstrap's format, so the summary and diagnose read it."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    location, _, function = site.rpartition(" in ")
+    file, _, line = location.rpartition(":")
+    now = time.time()
+    data = {
+        "message": {"message": f"HangDetected: {head}", "extraInfo": {"py_callstack": "", "timestamp": str(int(now))}},
+        "meshrun": {"time": now, "type": "HangDetected", "text": head, "file": file, "line": line,
+                    "function": function, "rank": os.environ.get("RANK")},
+    }
+    try:
+        with open(path, "w") as fp:
+            json.dump(data, fp)
+    except OSError:
+        pass
