@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import os
 import re
+import signal
+import subprocess
 import sys
 import threading
 import time
 
 import pytest
 import torch
-from conftest import BIN, EXAMPLES, meshrun, run_proc
+from conftest import BIN, EXAMPLES, kill_tree, meshrun, run_proc
 
 FAILING_SCRIPT = """\
 import os, signal, sys, time
@@ -213,3 +216,25 @@ def test_workers_die_with_a_sigkilled_agent(tmp_path, write_script):
                     os.kill(int((tmp_path / r).read_text()), signal.SIGKILL)
                 except (ProcessLookupError, ValueError):
                     pass
+
+
+def test_sigterm_to_the_agent_stops_everything_with_one_line(tmp_path):
+    script = tmp_path / "wait.py"
+    script.write_text("import time, meshrun\nmeshrun.init()\nprint('ready', flush=True)\ntime.sleep(600)\n")
+    proc = subprocess.Popen([str(BIN / "meshrun"), "launch", "--nproc-per-node", "2", str(script)],
+                            cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        line = ""
+        while "ready" not in line and time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if not line and proc.poll() is not None:
+                break
+        assert "ready" in line, proc.stderr.read()
+        os.kill(proc.pid, signal.SIGTERM)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        kill_tree(proc.pid)
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    assert "stopped by SIGTERM" in err and "Traceback" not in err, err

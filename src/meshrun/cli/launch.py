@@ -2,10 +2,21 @@
 
 from __future__ import annotations
 
+import signal
+import sys
+
 from meshrun.launch.args import build_parser
 from meshrun.launch.launcher import run_launch
 
 
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
-    return run_launch(args)
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    try:
+        return run_launch(args)
+    except SignalException as exc:  # SIGTERM/SIGINT/SIGHUP to the agent: it has stopped the workers
+        name = signal.Signals(exc.sigval).name
+        print(f"meshrun launch: stopped by {name}; the workers were stopped too (exit {128 + exc.sigval})",
+              file=sys.stderr)
+        return 128 + int(exc.sigval)
