@@ -56,3 +56,19 @@ def test_two_micro_batches_equal_one_double_batch():
     assert loss_a.item() == pytest.approx(loss_b.item(), abs=1e-6)
     for pa, pb in zip(a.parameters(), b.parameters(), strict=True):
         assert torch.allclose(pa, pb, atol=1e-6)
+
+
+def test_grad_norm_is_skipped_only_when_it_neither_clips_nor_logs():
+    cpu = torch.device("cpu")
+    a, b = _model(), _model()
+    opt_a, opt_b = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (a, b))
+    batch = itertools.repeat(_batch())
+    _, norm_a, _ = train_step(a, opt_a, batch, grad_accum=1, device=cpu, dtype="fp32", grad_clip=0)
+    _, norm_b, _ = train_step(b, opt_b, batch, grad_accum=1, device=cpu, dtype="fp32", grad_clip=0,
+                              need_grad_norm=False)
+    assert norm_a.item() > 0 and torch.isnan(norm_b)
+    for pa, pb in zip(a.parameters(), b.parameters(), strict=True):
+        assert torch.equal(pa, pb)  # skipping the norm changes nothing else
+    _, clipped, _ = train_step(b, opt_b, batch, grad_accum=1, device=cpu, dtype="fp32", grad_clip=1.0,
+                               need_grad_norm=False)
+    assert not torch.isnan(clipped)  # clipping needs the norm anyway

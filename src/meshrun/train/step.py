@@ -62,6 +62,9 @@ def mean_loss_across_ranks(value: torch.Tensor, world_size: int, pp: int = 1) ->
     return float(value.item())
 
 
+_NOT_COMPUTED = torch.tensor(float("nan"))  # the grad norm of a step that neither clips nor logs
+
+
 def train_step(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -72,8 +75,12 @@ def train_step(
     dtype: str,
     grad_clip: float,
     loss_parallel: bool = False,
+    need_grad_norm: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, float]:
     """Run `grad_accum` micro-batches and one optimizer step.
+
+    Without clipping, the grad norm (a pass over every gradient, and a collective under
+    FSDP/TP) is computed only when `need_grad_norm` (logging steps); otherwise it is NaN.
 
     Returns (mean loss, grad norm, forward seconds). The loss is this rank's (detached, not yet
     averaged across ranks): averaging costs a collective, so the caller does it only on logging
@@ -101,7 +108,9 @@ def train_step(
         total += loss.detach()
     max_norm = grad_clip if grad_clip > 0 else math.inf
     params = [p for p in model.parameters() if p.grad is not None]
-    if any(isinstance(p, DTensor) for p in params):  # torch's clip rejects FSDP/TP's mixed meshes
+    if grad_clip <= 0 and not need_grad_norm:
+        grad_norm = _NOT_COMPUTED
+    elif any(isinstance(p, DTensor) for p in params):  # torch's clip rejects FSDP/TP's mixed meshes
         grad_norm = clip_dtensor_grad_norm_(params, max_norm)
     else:
         grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
@@ -120,6 +129,7 @@ def train_step_pp(
     dtype: str,
     grad_clip: float,
     pp_group,
+    need_grad_norm: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, float]:
     """`train_step` under pipeline parallel: `grad_accum` schedule steps, then every part's optimizer.
 
@@ -137,7 +147,10 @@ def train_step_pp(
             total += pipeline.step(inputs, targets)
     step_s = time.perf_counter() - started
     params = [p for part in pipeline.parts for p in part.parameters() if p.grad is not None]
-    grad_norm = clip_dtensor_grad_norm_(params, grad_clip if grad_clip > 0 else math.inf, pp_group=pp_group)
+    if grad_clip <= 0 and not need_grad_norm:
+        grad_norm = _NOT_COMPUTED
+    else:
+        grad_norm = clip_dtensor_grad_norm_(params, grad_clip if grad_clip > 0 else math.inf, pp_group=pp_group)
     for optimizer in optimizers:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)

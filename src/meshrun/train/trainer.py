@@ -137,14 +137,17 @@ def train(cfg: JobConfig, env: DistEnv, run_dir: Path) -> TrainResult:
         run_eval(0)
     for step in range(state.step + 1, tcfg.steps + 1):
         timer.start()
+        log_now = step % cfg.metrics.interval == 0 or step == tcfg.steps
         if pipeline is not None:
             loss, grad_norm, compute_s = train_step_pp(
                 pipeline, optimizers, train_batches, grad_accum=tcfg.grad_accum, device=env.device,
-                dtype=tcfg.dtype, grad_clip=tcfg.grad_clip, pp_group=layout.pp_group)
+                dtype=tcfg.dtype, grad_clip=tcfg.grad_clip, pp_group=layout.pp_group,
+                need_grad_norm=log_now)
         else:
             loss, grad_norm, compute_s = train_step(
                 model, optimizers[0], train_batches, grad_accum=tcfg.grad_accum, device=env.device,
-                dtype=tcfg.dtype, grad_clip=tcfg.grad_clip, loss_parallel=layout.loss_parallel)
+                dtype=tcfg.dtype, grad_clip=tcfg.grad_clip, loss_parallel=layout.loss_parallel,
+                need_grad_norm=log_now)
         lr = schedulers[0].get_last_lr()[0]
         for scheduler in schedulers:
             scheduler.step()
@@ -152,7 +155,6 @@ def train(cfg: JobConfig, env: DistEnv, run_dir: Path) -> TrainResult:
         timing = timer.stop(tokens_per_step)
         metrics.log_rank_step(step, step_time_s=timing.step_time_s, compute_time_s=compute_s,
                               peak_mem_bytes=peak_memory_bytes(env.device) if step % cfg.metrics.interval == 0 else None)
-        log_now = step % cfg.metrics.interval == 0 or step == tcfg.steps
         show_now = step % tcfg.log_interval == 0 or step == tcfg.steps
         if log_now or show_now:
             value = mean_loss_across_ranks(loss, env.world_size, layout.pp)  # a collective: every rank, same steps
