@@ -133,3 +133,37 @@ def test_which_checkpoint_resume_picks(tmp_path, monkeypatch, resume, restart, c
         checkpointer.close()
     assert (found.name if found else None) == chosen
     assert sorted(p.name.split(".")[0] for p in root.glob("*.abandoned-*")) == abandoned
+
+
+def test_an_unnamed_rerun_continues_only_its_unfinished_run(tmp_path):
+    import os
+
+    from meshrun.checkpoint.runs import unfinished_run
+    from meshrun.config import load_config
+    from meshrun.config.dump import save_config
+
+    cfg = load_config(None, [f"train.run_dir={tmp_path}", "train.steps=50"])
+
+    def make_run(name, cfg, *, checkpoint, finished, age):
+        run = tmp_path / name
+        save_config(cfg, run / "config.toml")
+        if checkpoint:
+            (mf.checkpoints_dir(run) / mf.step_dir_name(10)).mkdir(parents=True)
+        if finished:
+            (run / "model.pt").write_bytes(b"")
+        os.utime(run / "config.toml", (age, age))
+        return run
+
+    assert unfinished_run(cfg) is None  # nothing there yet
+    make_run("old", cfg, checkpoint=True, finished=True, age=1_000)
+    assert unfinished_run(cfg) is None  # the newest run of these settings finished: a new run
+    preempted = make_run("preempted", cfg, checkpoint=True, finished=False, age=2_000)
+    assert unfinished_run(cfg) == preempted
+    other = load_config(None, [f"train.run_dir={tmp_path}", "train.steps=80"])
+    assert unfinished_run(other) is None  # other settings never pick it up
+    bigger_world = load_config(None, [f"train.run_dir={tmp_path}", "train.steps=50", "launch.nproc_per_node=4"])
+    assert unfinished_run(bigger_world) == preempted  # a new world size reshards from it
+    assert unfinished_run(load_config(None, [f"train.run_dir={tmp_path}", "train.steps=50",
+                                             "checkpoint.resume=never"])) is None
+    make_run("crashed-early", cfg, checkpoint=False, finished=False, age=3_000)
+    assert unfinished_run(cfg) is None  # the newest has no checkpoint to continue from

@@ -123,7 +123,14 @@ def main(argv: list[str]) -> int:
     from meshrun.checkpoint.verify import check_resume  # torch: imported only once the input parsed
 
     check_resume(cfg)  # --resume PATH: a valid checkpoint of this model's shape, or one line and exit 2
-    run_dir = make_run_dir(cfg)
+    from meshrun.checkpoint.runs import unfinished_run
+
+    run_dir = unfinished_run(cfg)  # an unnamed re-run continues its unfinished run, not a new one
+    if run_dir is not None:
+        print(f"meshrun train: continuing the unfinished run {run_dir} (same settings, has a checkpoint); "
+              "--resume never starts a new run", file=sys.stderr)
+    else:
+        run_dir = make_run_dir(cfg)
     save_config(cfg, run_dir / "config.toml")
     launch_args.training_script_args = ["--run-dir", str(run_dir)]
     if not launch_args.log_dir:
