@@ -3,6 +3,7 @@ script, end to end: real agents, real holders of the port, real workers."""
 
 from __future__ import annotations
 
+import json
 import re
 import socket
 import subprocess
@@ -81,13 +82,22 @@ def _one_line(result) -> str:
     return lines[0]
 
 
-def test_rdzv_port_held_by_a_silent_program_is_refused_not_hung(write_script):
+def _diagnosed_as(log_dir, kind: str) -> None:
+    """`meshrun diagnose` on the refused launch's --log-dir: the launcher failed first, and why."""
+    result = meshrun("diagnose", str(log_dir), "--json", timeout=60)
+    report = json.loads(result.stdout)
+    assert result.returncode == 1 and report["classification"] == kind, result.output
+    assert report["first_failure"]["rank"] == -1 and report["attempts"] == 0, report
+
+
+def test_rdzv_port_held_by_a_silent_program_is_refused_not_hung(tmp_path, write_script):
     script = write_script("noop.py", NOOP)
     holder = _popen([sys.executable, "-c", SILENT_HOLDER])
     try:
         port = int(holder.stdout.readline())
         start = time.monotonic()
-        result = meshrun(*_launch_args(f"127.0.0.1:{port}", "job1"), str(script), timeout=120)
+        result = meshrun(*_launch_args(f"127.0.0.1:{port}", "job1"), "--log-dir", str(tmp_path / "logs"),
+                         str(script), timeout=120)
         elapsed = time.monotonic() - start
     finally:
         kill_tree(holder.pid)
@@ -96,6 +106,7 @@ def test_rdzv_port_held_by_a_silent_program_is_refused_not_hung(write_script):
     line = _one_line(result)
     assert f"port {port} is held by pid {holder.pid}" in line and "not a torch c10d store" in line
     assert "choose another port" in line and elapsed < REFUSED_WITHIN_S
+    _diagnosed_as(tmp_path / "logs", "port conflict")
 
 
 def test_second_job_on_a_running_jobs_endpoint_is_refused(tmp_path, write_script):
@@ -109,7 +120,8 @@ def test_second_job_on_a_running_jobs_endpoint_is_refused(tmp_path, write_script
             assert job_a.poll() is None and time.monotonic() < deadline, job_a.communicate()
             time.sleep(0.2)
         start = time.monotonic()
-        other_id = meshrun(*_launch_args(endpoint, "jobB"), str(sleeper), str(tmp_path / "b"), timeout=120)
+        other_id = meshrun(*_launch_args(endpoint, "jobB"), "--log-dir", str(tmp_path / "logs"), str(sleeper),
+                           str(tmp_path / "b"), timeout=120)
         elapsed = time.monotonic() - start
         same_id = meshrun(*_launch_args(endpoint, "jobA"), str(sleeper), str(tmp_path / "c"), timeout=120)
         assert job_a.poll() is None  # job A is untouched
@@ -122,6 +134,7 @@ def test_second_job_on_a_running_jobs_endpoint_is_refused(tmp_path, write_script
     assert "--rdzv-id jobA to join it" in line and elapsed < REFUSED_WITHIN_S
     assert "the same --rdzv-id jobA" in _one_line(same_id)  # one node: no second node to be
     assert not (tmp_path / "b").exists() and not (tmp_path / "c").exists()
+    _diagnosed_as(tmp_path / "logs", "port conflict")
 
 
 def test_two_nodes_of_one_job_on_loopback_still_meet(write_script):

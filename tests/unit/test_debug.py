@@ -160,3 +160,15 @@ def test_collective_timeout_follows_the_hierarchy(monkeypatch):
     assert hooks.settings().hang_timeout_s == 30  # the default watchdog halves a shorter user timeout
     monkeypatch.setattr(hooks, "_settings", DebugSettings(0.0, frozenset()))
     assert hooks.collective_timeout(None) is None  # off: torch's own default
+
+
+@pytest.mark.parametrize(("message", "kind"), [
+    ("--master-port: port 29500 is in use by pid 7 (python); choose another", "port conflict"),
+    ("--rdzv-endpoint 127.0.0.1:29400 is already used by another job (rdzv-id a); choose another port", "port conflict"),
+    ("meshrun: rendezvous 'j' timed out: fewer than the minimum 2 node(s) (--nnodes 2) joined", "rendezvous timeout"),
+    ("--rdzv-endpoint ':29400' has no host: is $MASTER_ADDR empty? set it to node 0's address", "bad launch options"),
+])
+def test_launcher_failures_are_classified(message, kind):
+    from meshrun.debug.classify import classify_launch
+
+    assert classify_launch(message).name == kind

@@ -33,6 +33,8 @@ SIGNAL = Kind("killed by signal", "SIGKILL without a Python error is usually the
               "(check `dmesg`) or a scheduler's time/memory limit; SIGSEGV/SIGABRT: see the rank's stderr")
 DATA = Kind("data duplication warning", "ranks read the same batches: use meshrun.prepare_dataloader, or a "
             "DistributedSampler and call sampler.set_epoch(epoch) every epoch")
+LAUNCH = Kind("bad launch options", "the launcher refused the options before any worker started: follow "
+              "the advice in the message above")
 FOLLOW_ON = Kind("consequence of another rank's failure", "see the rank that failed first")
 
 _RULES: list[tuple[Kind, re.Pattern]] = [
@@ -66,3 +68,16 @@ def classify(exc_type: str | None, exc_text: str | None, log_text: str, signal: 
     if _RULES[-1][1].search(log_text):
         return DATA
     return SIGNAL if signal else USER
+
+
+_LAUNCH_PORT = re.compile(r"is held by|already used by another job|bound on this host|in use|EADDRINUSE|busy")
+_LAUNCH_RDZV = re.compile(r"rendezvous .*(timed out|was closed|failed)")
+
+
+def classify_launch(message: str) -> Kind:
+    """The kind of a failure the launcher met before any worker ran (launch_error.json)."""
+    if _LAUNCH_PORT.search(message):
+        return PORT
+    if _LAUNCH_RDZV.search(message):
+        return RDZV
+    return LAUNCH

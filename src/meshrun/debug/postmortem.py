@@ -14,9 +14,9 @@ import re
 import time
 from dataclasses import asdict, dataclass, field
 
-from meshrun.debug.classify import DATA, FOLLOW_ON, classify
+from meshrun.debug.classify import DATA, FOLLOW_ON, classify, classify_launch
 from meshrun.errors import MeshrunError
-from meshrun.launch.summary import FAILURES_FILE, RankFailure, is_follow_on
+from meshrun.launch.summary import FAILURES_FILE, LAUNCH_ERROR_FILE, RankFailure, is_follow_on
 
 _EXC_LINE = re.compile(r"^([A-Za-z_][\w.]*(?:Error|Exception|Interrupt|Exit|Detected)): (.*)$")
 
@@ -122,9 +122,38 @@ def _rank_report(rank_dir: str, agent: dict) -> RankReport:
     return report
 
 
+def _launch_error(path: str) -> tuple[str, dict] | None:
+    """(log root, record) of a failure before any worker ran, from launch_error.json."""
+    for candidate in (path, os.path.join(path, "logs")):
+        try:
+            record = json.loads(_read(os.path.join(candidate, LAUNCH_ERROR_FILE)) or "null")
+        except ValueError:
+            continue
+        if isinstance(record, dict) and record.get("message"):
+            return candidate, record
+    return None
+
+
+def _launch_diagnosis(root: str, record: dict) -> Diagnosis:
+    kind = classify_launch(str(record["message"]))
+    report = RankReport(rank=-1, local_rank=-1, host=record.get("host"), time=record.get("time"),
+                        exc_type="LaunchError", exc_text=str(record["message"]), kind=kind.name,
+                        fix=kind.fix, failed=True, log_dir=root)
+    return Diagnosis(root, f"launch ({record.get('stage', 'preflight')})", 0, 0, [report], report)
+
+
 def diagnose(path: str) -> Diagnosis:
-    """Read the newest run under PATH, its last attempt, every rank."""
-    root = find_log_root(path)
+    """Read the newest run under PATH, its last attempt, every rank; or the launcher's own failure."""
+    launch = _launch_error(path)
+    try:
+        root = find_log_root(path)
+    except MeshrunError:
+        if launch is None:
+            raise
+        return _launch_diagnosis(*launch)
+    newest_attempt = max(os.path.getmtime(p) for p in glob.glob(os.path.join(root, "*", "attempt_*")))
+    if launch is not None and float(launch[1].get("time") or 0) > newest_attempt:
+        return _launch_diagnosis(*launch)  # the latest launch never got as far as its workers
     runs = sorted(glob.glob(os.path.join(root, "*", "attempt_*")), key=os.path.getmtime)
     run_dir = os.path.dirname(runs[-1])
     attempts = sorted(glob.glob(os.path.join(run_dir, "attempt_*")), key=lambda p: int(p.rsplit("_", 1)[1]))
@@ -164,16 +193,24 @@ def timeline(diag: Diagnosis) -> list[dict]:
 
 
 def format_diagnosis(diag: Diagnosis) -> str:
-    lines = [f"meshrun diagnose: {diag.log_root} (run {diag.run}, attempt {diag.attempt + 1} of {diag.attempts}, "
-             f"{len(diag.ranks)} rank(s))", "timeline:"]
+    if diag.attempts == 0:
+        head = f"meshrun diagnose: {diag.log_root} ({diag.run}: no worker started)"
+    else:
+        head = (f"meshrun diagnose: {diag.log_root} (run {diag.run}, attempt {diag.attempt + 1} of "
+                f"{diag.attempts}, {len(diag.ranks)} rank(s))")
+    lines = [head, "timeline:"]
     for row in timeline(diag):
-        lines.append(f"  {row['clock']} +{row['t']:6.2f}s  rank {row['rank']}: {_clip(row['event'])}")
+        who = "launcher" if row["rank"] < 0 else f"rank {row['rank']}"
+        lines.append(f"  {row['clock']} +{row['t']:6.2f}s  {who}: {_clip(row['event'])}")
     first = diag.first
     if first is None:
         lines.append("no rank failed and no warning was found: the run looks healthy")
         return "\n".join(lines)
     where = f" on {first.host}" if first.host else ""
-    lines.append(f"first failure: rank {first.rank} (local rank {first.local_rank}{where})")
+    if first.rank < 0:
+        lines.append(f"first failure: the launcher{where}, before any worker started")
+    else:
+        lines.append(f"first failure: rank {first.rank} (local rank {first.local_rank}{where})")
     if first.exc_type:
         lines.append(f"  {first.exc_type}: {first.exc_text}")
     if first.site:
@@ -192,7 +229,10 @@ def format_diagnosis(diag: Diagnosis) -> str:
     warnings = [w for r in diag.ranks for w in r.warnings]
     if warnings and first.kind != DATA.name:
         lines.append(f"warnings: {warnings[0]}" + (f" (+{len(warnings) - 1} more)" if len(warnings) > 1 else ""))
-    lines.append(f"logs: {os.path.join(diag.log_root, diag.run)}/attempt_{diag.attempt}/<local_rank>/stderr.log")
+    if first.rank < 0:
+        lines.append(f"record: {os.path.join(diag.log_root, LAUNCH_ERROR_FILE)}")
+    else:
+        lines.append(f"logs: {os.path.join(diag.log_root, diag.run)}/attempt_{diag.attempt}/<local_rank>/stderr.log")
     return "\n".join(lines)
 
 

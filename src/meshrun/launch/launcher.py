@@ -26,7 +26,7 @@ from meshrun.launch.network import node_network, worker_socket_env
 from meshrun.launch.ports import describe_busy_port, port_in_use
 from meshrun.launch.preflight import check_rendezvous, parse_endpoint
 from meshrun.launch.slurm import apply_slurm
-from meshrun.launch.summary import collect_failures, format_summary
+from meshrun.launch.summary import collect_failures, format_summary, record_launch_error
 
 WORKER_MAIN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "worker_main.py")
 RANK_PREFIX = "[rank ${rank}] "
@@ -149,8 +149,12 @@ def run_launch(args: argparse.Namespace) -> int:
 
     if not args.no_python and not args.module and not args.run_path and not os.path.isfile(args.training_script):
         raise LaunchError(f"script {args.training_script!r} not found; check the path (relative to {os.getcwd()})")
-    config, cmd, cmd_args = build_launch(args)
-    check_rendezvous(args)  # busy, foreign or another job's endpoint: one line, not a silent hang
+    try:
+        config, cmd, cmd_args = build_launch(args)
+        check_rendezvous(args)  # busy, foreign or another job's endpoint: one line, not a silent hang
+    except LaunchError as exc:
+        record_launch_error(args.log_dir, str(exc), "preflight")
+        raise
     _quiet_torch_logs()
     recorder = attempts.install(args.log_dir, config.max_restarts, config.logs_specs)
     try:
@@ -162,7 +166,9 @@ def run_launch(args: argparse.Namespace) -> int:
         return failures[0].shell_exit_code
     except RendezvousError as exc:
         sys.stdout.flush()
-        print(rendezvous_failure(exc, config), file=sys.stderr)
+        message = rendezvous_failure(exc, config)
+        record_launch_error(args.log_dir, message, "rendezvous")
+        print(message, file=sys.stderr)
         return RENDEZVOUS_FAILED_EXIT
     finally:
         attempts.uninstall(recorder)

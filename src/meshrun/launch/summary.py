@@ -12,6 +12,7 @@ import os
 import re
 import signal
 import socket
+import time
 from dataclasses import dataclass
 
 # Messages that ranks print when a *peer* died: consequences, not causes.
@@ -163,6 +164,20 @@ def collect_failures(child_failed_error, log_root: str | None) -> list[RankFailu
 
 
 FAILURES_FILE = "failures.json"
+LAUNCH_ERROR_FILE = "launch_error.json"
+
+
+def record_launch_error(log_root: str | None, message: str, stage: str) -> None:
+    """A failure before any worker ran (preflight, rendezvous): kept for `meshrun diagnose`."""
+    if not log_root:
+        return
+    try:
+        os.makedirs(log_root, exist_ok=True)
+        with open(os.path.join(log_root, LAUNCH_ERROR_FILE), "w") as fp:
+            json.dump({"time": time.time(), "host": socket.gethostname(), "stage": stage,
+                       "message": message}, fp, indent=1)
+    except OSError:
+        pass
 
 
 def save_failures(failures: list[RankFailure], log_root: str | None) -> None:
