@@ -156,3 +156,34 @@ def test_bad_resume_path_is_one_line_exit_2(reference, tmp_path):
         lines = [line for line in result.stderr.splitlines() if line.strip()]
         assert len(lines) == 1 and expected in lines[0], result.stderr
         assert "Traceback" not in result.output
+
+
+def test_unnamed_run_preempted_then_the_same_command_continues_it(reference, tmp_path):
+    """No train.name: the run gets a timestamped directory, and the re-run must find it again."""
+    argv = [str(BIN / "meshrun"), "train", TINY, "--set", f"train.run_dir={tmp_path}", *COMMON]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
+                                                             "MASTER_PORT")}
+    env.update(ENV)
+
+    def start() -> subprocess.Popen:
+        return subprocess.Popen(argv, cwd=tmp_path, env=env, text=True, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+
+    proc = start()
+    deadline = time.monotonic() + 120
+    while not [p for p in tmp_path.iterdir() if (p / "samples").is_dir()]:
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0][-3000:]
+        time.sleep(0.05)
+    (run_dir,) = [p for p in tmp_path.iterdir() if (p / "samples").is_dir()]
+    _wait_for(proc, run_dir, session=0, step=8)
+    os.kill(proc.pid, signal.SIGTERM)
+    code, out = _finish(proc)
+    assert code == 0 and "checkpoint committed; re-run the same command" in out, out[-4000:]
+    code, out = _finish(start())
+    assert code == 0, out[-4000:]
+    assert f"continuing the unfinished run {run_dir}" in out, out[-4000:]
+    assert [p for p in tmp_path.iterdir() if p.is_dir()] == [run_dir]  # no second run directory
+    _assert_same_run(run_dir, reference)
+    code, out = _finish(start())  # the run is finished now: the same command starts a new one
+    assert code == 0 and "continuing" not in out, out[-4000:]
+    assert len([p for p in tmp_path.iterdir() if p.is_dir()]) == 2
