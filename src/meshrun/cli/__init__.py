@@ -68,3 +68,8 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"meshrun {name}: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # `meshrun diagnose --json | head`: the reader left; not an error of ours
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
