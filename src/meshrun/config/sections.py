@@ -175,7 +175,7 @@ class CheckpointSection(Section):
     """Saving during training and resuming; the final weights are saved either way."""
 
     section = "checkpoint"
-    interval: int = doc_field(0, "Steps between checkpoints (also one at the last step, and on SIGTERM/SIGINT); 0 = none.")
+    interval: int = doc_field(100, "Steps between checkpoints (also one at the last step, and on SIGTERM/SIGINT); 0 = none during training (SIGTERM/SIGINT still save).")
     keep: int = doc_field(3, "Checkpoints kept on disk; older ones are deleted.")
     async_save: bool = doc_field(False, "Write checkpoints in the background while training goes on.")
     resume: str = doc_field("auto", "'auto' = from the run's latest valid checkpoint if any, 'never', or a checkpoint path.")
