@@ -7,13 +7,15 @@ train_step_pp, the trainer's loss averaging, evaluate / evaluate_pp): a tiny Tra
 sequences, gradient clipping that really clips. Against a single-process run of the same code,
 the loss every rank logs must match at every step within 1e-4 (measured: at most 7.2e-7), and the
 clipped grad norm and the eval loss too. Per layout each rank also reports the local bytes of
-its parameters, gradients and AdamW state (DTensor shards counted by `to_local()`), which the
-memory and planner checks use. Then `meshrun train` runs pp=2 end to end through the CLI.
+its parameters, gradients and AdamW state (DTensor shards counted by `to_local()`) and the peak
+bytes autograd held saved for backward in the last step (`SavedActivations`), which the memory and
+planner checks use. Then `meshrun train` runs pp=2 end to end through the CLI.
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import os
 
@@ -28,6 +30,7 @@ from meshrun.parallel.dims import ParallelDims
 from meshrun.parallel.parallelize import parallelize_nd, parallelize_pipeline
 from meshrun.parallel.pipeline import plan_pipeline
 from meshrun.plan import estimate
+from meshrun.plan.measure import SavedActivations
 from meshrun.testing import run_distributed
 from meshrun.train.step import (
     evaluate,
@@ -122,11 +125,18 @@ def _train_layout(layout: dict, world_size: int) -> dict:
     batches = _batches(dp_rank, dims.dp_size)
     step_args = dict(grad_accum=1, device=CPU, dtype="fp32", grad_clip=MAX_NORM)
     losses, norms = [], []
-    for _ in range(STEPS):
-        if pipeline is not None:
-            loss, norm, _ = train_step_pp(pipeline, optimizers, batches, pp_group=pp_group, **step_args)
-        else:
-            loss, norm, _ = train_step(parts[0], optimizers[0], batches, loss_parallel=lp, **step_args)
+
+    def state():
+        return itertools.chain(*(part.parameters() for part in parts), *(part.buffers() for part in parts))
+
+    for step in range(STEPS):
+        # The last step's peak saved-for-backward bytes are the activations: a steady-state step
+        # (torch's pipeline re-runs a metadata forward on the first step and after each eval).
+        with SavedActivations(state) if step == STEPS - 1 else contextlib.nullcontext() as acts:
+            if pipeline is not None:
+                loss, norm, _ = train_step_pp(pipeline, optimizers, batches, pp_group=pp_group, **step_args)
+            else:
+                loss, norm, _ = train_step(parts[0], optimizers[0], batches, loss_parallel=lp, **step_args)
         losses.append(mean_loss_across_ranks(loss, world_size, dims.pp))
         norms.append(float(norm))
     val = _batches(dp_rank, dims.dp_size, seed=2000)
@@ -142,7 +152,7 @@ def _train_layout(layout: dict, world_size: int) -> dict:
     else:
         with loss_parallel() if lp else contextlib.nullcontext():
             lm_loss(parts[0], inputs, targets).backward()
-    memory = _memory(parts, optimizers)
+    memory = {**_memory(parts, optimizers), "activations": acts.peak}
     names = sorted(n.removeprefix("module.") for part in parts for n, _ in part.named_parameters())
     return {"losses": losses, "norms": norms, "eval": eval_loss, "memory": memory, "names": names}
 
@@ -207,13 +217,26 @@ def test_fsdp_shards_params_grads_and_optimizer_state(runs):
 
 @pytest.mark.parametrize("name", EXACT)
 def test_plan_estimate_is_within_20_percent_of_measured(runs, name):
+    """State (params + grads + AdamW) and activations (peak saved for backward), per rank."""
     layout = LAYOUTS[name]
     dims = ParallelDims(dp_replicate=layout.get("dp_replicate", 1), dp_shard=layout.get("dp_shard", 1),
                         tp=layout.get("tp", 1), pp=layout.get("pp", 1), world_size=4)
-    est = estimate(ModelArgs(**ARGS), dims, batch_size=GLOBAL_BATCH // dims.dp_size, seq_len=SEQ)
-    measured = max(_state(r[name]["memory"]) for r in runs)  # the most-loaded rank, as the plan counts
-    print(f"{name}: plan {est.state} B, measured {measured} B ({est.state / measured - 1:+.1%})")
-    assert abs(est.state - measured) <= 0.2 * measured, (name, est.state, measured)
+    est = estimate(ModelArgs(**ARGS), dims, batch_size=GLOBAL_BATCH // dims.dp_size, seq_len=SEQ,
+                   sequence_parallel=layout.get("sequence_parallel", False),
+                   loss_parallel=layout.get("loss_parallel", False),
+                   pp_schedule=layout.get("schedule", "gpipe"), pp_stages_per_rank=layout.get("stages_per_rank", 0))
+    # the most-loaded rank, as the plan counts
+    state = max(_state(r[name]["memory"]) for r in runs)
+    acts = max(r[name]["memory"]["activations"] for r in runs)
+    total = max(_state(r[name]["memory"]) + r[name]["memory"]["activations"] for r in runs)
+    planned = est.state + est.activations
+    print(f"{name}: state plan {est.state} measured {state} ({est.state / state - 1:+.1%}); "
+          f"activations plan {est.activations} measured {acts} ({est.activations / acts - 1:+.1%}); "
+          f"total plan {planned} measured {total} ({planned / total - 1:+.1%})")
+    assert acts > 0, name
+    assert abs(est.state - state) <= 0.2 * state, (name, est.state, state)
+    assert abs(est.activations - acts) <= 0.2 * acts, (name, est.activations, acts)
+    assert abs(planned - total) <= 0.2 * total, (name, planned, total)
 
 
 @pytest.mark.slow
