@@ -16,7 +16,7 @@ Differences from torchtitan, and why:
   `tie_embeddings` both stay replicated (plain tensors, identical gradients on every tp rank),
   and sequence/loss parallel are refused.
 
-On CPU/gloo every plan here runs and matches one process (tests/dist/test_parallel_fsdp_tp.py).
+On CPU/gloo every plan here runs and matches one process (tests/distributed/test_parallel_fsdp_tp.py).
 """
 
 from __future__ import annotations
