@@ -242,7 +242,7 @@ def test_override_key_and_type_errors(override, expected):
         ("train.grad_clip=-1", "train.grad_clip must be >= 0 (0 = off), got -1.0"),
         ("train.name=a/b", "train.name must be a plain name (put directories in train.run_dir), got 'a/b'"),
         ("parallel.strategy=zero", "parallel.strategy must be one of 'ddp', 'fsdp', got 'zero'"),
-        ("parallel.tp=0", "parallel.tp must be >= 1 or -1 (the ranks left), got 0"),
+        ("parallel.tp=0", "parallel.tp must be an integer >= 1 or -1 (the ranks left), got 0"),
         ("parallel.tp=2", "parallel.tp must be 1 with parallel.strategy = 'ddp' (it only replicates), got 2"),
         ("parallel.pp_schedule=zb", "parallel.pp_schedule must be one of 'gpipe', '1f1b', 'interleaved_1f1b', "
          "'looped_bfs', 'interleaved_zero_bubble', got 'zb'"),

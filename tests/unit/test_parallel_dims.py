@@ -1,4 +1,8 @@
-"""ParallelDims: degree arithmetic, -1 inference and one-line errors, all before any process group."""
+"""ParallelDims: degree arithmetic, -1 inference and one-line errors, all before any process group.
+
+The rules themselves are meshrun.parallel.rules' (tests/unit/test_parallel_resolve.py covers each
+through resolve_layout); these check that ParallelDims applies them.
+"""
 
 from __future__ import annotations
 
@@ -110,15 +114,6 @@ def test_check_model_args_uses_model_shapes():
     dims(4, tp=4).check_model_args(object())  # a user model that says nothing: nothing to check
 
 
-def test_microbatches_must_divide_the_batch():
-    assert dims(2, pp=2).check_batch(8) == 2  # 0 = one per stage
-    assert dims(2, pp=2).check_batch(8, 4) == 4
-    assert dims(2, dp_shard=2).check_batch(7, 3) == 1  # no pipeline: nothing to split
-    with pytest.raises(ConfigError) as info:
-        dims(2, pp=2).check_batch(8, 3)
-    assert str(info.value) == "parallel.pp_microbatches=3 does not divide train.batch_size=8; valid: 1, 2, 4, 8"
-
-
 def test_world_size_is_checked():
     with pytest.raises(ConfigError, match="world size must be an integer >= 1"):
         dims(0)
@@ -142,7 +137,8 @@ def test_parallelize_nd_refuses_pp_and_sp_without_tp():
     cpu = torch.device("cpu")
     with pytest.raises(ConfigError, match=r"parallel\.pp=2: a pipeline needs parallelize_pipeline"):
         parallelize_nd(_tiny(), dims(4, dp_shard=2, pp=2), None, device=cpu)
-    with pytest.raises(ConfigError, match="sequence/loss parallel need parallel.tp > 1"):
+    with pytest.raises(ConfigError, match=r"parallel\.sequence_parallel=true splits over tensor-parallel ranks, "
+                                          r"but parallel\.tp=1"):
         parallelize_nd(_tiny(), dims(2, dp_shard=2), None, device=cpu, sequence_parallel=True)
     with pytest.raises(ConfigError, match=r"parallel\.tp=4 does not divide model\.n_heads=2"):
         parallelize_nd(_tiny(), dims(4, tp=4), None, device=cpu)

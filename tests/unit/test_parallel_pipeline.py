@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from meshrun.config.sections import PP_SCHEDULES
+from meshrun.config import load_config
 from meshrun.errors import ConfigError
 from meshrun.models.llama import ModelArgs, Transformer
-from meshrun.parallel.pipeline import SCHEDULES, plan_pipeline, split_layers, stage_module
+from meshrun.parallel.pipeline import stage_module
+from meshrun.parallel.rules import SCHEDULES, plan_pipeline, split_layers
 from meshrun.plan.show import stage_of_block
 
 
@@ -17,8 +18,11 @@ def _plan(**kw):
     return plan_pipeline(**{**base, **kw})
 
 
-def test_config_lists_exactly_the_supported_schedules():
-    assert PP_SCHEDULES == tuple(SCHEDULES)
+def test_config_takes_exactly_the_supported_schedules():
+    for name in SCHEDULES:
+        assert load_config(None, [f"parallel.pp_schedule={name}"]).parallel.pp_schedule == name
+    with pytest.raises(ConfigError, match="parallel.pp_schedule must be one of 'gpipe', '1f1b'"):
+        load_config(None, ["parallel.pp_schedule=zbv"])
 
 
 def test_balanced_split_matches_the_planner_and_user_split_points_cut_before_a_block():
@@ -37,10 +41,11 @@ def test_balanced_split_matches_the_planner_and_user_split_points_cut_before_a_b
         (dict(split_points="2,3"), "gives 3 stages, but the layout has 2"),
         (dict(split_points="4"), "increasing block indices in 1..3"),
         (dict(split_points="x"), "'x' is not a block index"),
-        (dict(schedule="zbv"), "parallel.pp_schedule='zbv' is not supported"),
+        (dict(schedule="zbv"), "parallel.pp_schedule must be one of 'gpipe', "),
         (dict(schedule="interleaved_1f1b", stages_per_rank=1), "interleaves several stages per rank"),
         (dict(schedule="1f1b", stages_per_rank=2), "runs one stage per rank"),
         (dict(pp=4, schedule="interleaved_1f1b"), "= 8 stages exceeds model.n_layers=4"),
+        (dict(pp=8), "parallel.pp=8 exceeds model.n_layers=4 (a stage needs at least one block)"),
         (dict(microbatches=3), "parallel.pp_microbatches=3 does not divide train.batch_size=8"),
         (dict(schedule="1f1b", microbatches=1), "needs parallel.pp_microbatches >= the 2 stages"),
         (dict(schedule="interleaved_zero_bubble", dp_size=2), "does not train correctly with data parallel"),

@@ -11,6 +11,7 @@ The estimate and its formula live in `meshrun.plan.memory`, the placement rules 
 from __future__ import annotations
 
 import argparse
+from dataclasses import replace
 from math import prod
 
 from meshrun.errors import ConfigError
@@ -105,19 +106,28 @@ def parallel_toml(e: MemoryEstimate) -> str:
 
 
 def _world_for_show(cfg, world: int | None) -> int:
+    """--world; else the [launch] world when it is fixed; else the product of the degrees."""
+    from meshrun.parallel.resolve import ParallelOptions, stated_degrees
+    from meshrun.train.preflight import fixed_world_size
+
     if world is not None:
         return world
-    degrees = [getattr(cfg.parallel, n) for n in ("dp_replicate", "dp_shard", "tp", "pp")]
-    if -1 in degrees:
-        raise ConfigError("--show needs --world N when a parallel degree is -1 (the ranks left)")
-    return prod(degrees)
+    fixed = fixed_world_size(cfg.launch.nproc_per_node, cfg.launch.nnodes)
+    if fixed is not None:
+        return fixed
+    degrees = stated_degrees(ParallelOptions.from_config(cfg))
+    if -1 in degrees.values():
+        rest = next(name for name, value in degrees.items() if value == -1)
+        raise ConfigError(f"--show needs --world N (or a number in launch.nproc_per_node): "
+                          f"parallel.{rest} is -1, the ranks left")
+    return prod(degrees.values())
 
 
 def main(argv: list[str]) -> int:
     from meshrun.config import load_config
     from meshrun.models.factory import model_args_from_config
     from meshrun.models.sizes import get_size
-    from meshrun.parallel.dims import ParallelDims
+    from meshrun.parallel.resolve import ModelShape, ParallelOptions, resolve_layout
     from meshrun.plan.show import format_show
 
     a = build_parser().parse_args(argv)
@@ -129,8 +139,12 @@ def main(argv: list[str]) -> int:
     if a.world is not None and a.world < 1:
         raise ConfigError(f"--world must be >= 1, got {a.world}")
     if a.show:
-        dims = ParallelDims.from_config(cfg.parallel, _world_for_show(cfg, a.world))
-        print(format_show(args, dims))
+        options = ParallelOptions.from_config(cfg)
+        if a.batch_size:
+            options = replace(options, batch_size=a.batch_size)
+        layout = resolve_layout(options, _world_for_show(cfg, a.world), ModelShape.from_args(args))
+        print(f"resolved: {layout.describe()}")
+        print(format_show(args, layout.dims))
         return 0
     if a.world is None:
         raise ConfigError("--world N is required: the total number of ranks to plan for")

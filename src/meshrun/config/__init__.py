@@ -2,14 +2,17 @@
 
     from meshrun.config import load_config
     cfg = load_config("examples/configs/tiny.toml", ["optim.lr=3e-4"])
-    CheckpointManager(cfg.checkpoint, ...)   # a component gets only its own section
+    build_model(cfg.model, vocab_size)      # a component gets only its own section
+
+The `[parallel]` rules are `meshrun.parallel.resolve`'s (`check_options` here; the whole layout,
+with the world size, in `resolve_layout`).
 
 Sections are frozen; derive a changed one with `dataclasses.replace(cfg.train, steps=10)`.
 """
 
 from __future__ import annotations
 
-from meshrun.config.dump import as_dict, describe, save_config, to_toml
+from meshrun.config.dump import CONFIG_FILE, as_dict, describe, save_config, to_toml
 from meshrun.config.loader import (
     all_keys,
     apply_overrides,
@@ -33,6 +36,7 @@ from meshrun.config.sections import (
 )
 
 __all__ = [
+    "CONFIG_FILE",
     "SECTIONS",
     "CheckpointSection",
     "DataSection",

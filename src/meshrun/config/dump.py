@@ -12,6 +12,8 @@ from typing import Any
 from meshrun.config.base import AUTO
 from meshrun.config.sections import SECTIONS, JobConfig
 
+CONFIG_FILE = "config.toml"
+"""The resolved config's file name in a run directory (runs/<name>/config.toml)."""
 HEADER = "# meshrun train config. Run it with: meshrun train THIS_FILE [--set section.key=value ...]\n"
 
 
@@ -77,15 +79,18 @@ def save_config(cfg: JobConfig, path: str | os.PathLike[str]) -> Path:
     return path
 
 
-def describe(cfg: JobConfig) -> str:
+def describe(cfg: JobConfig, notes: tuple[str, ...] = ()) -> str:
     """Every key with its resolved value, its default and its doc, by section (`config show`).
 
     The text is itself valid TOML, so `meshrun config show > my.toml` gives a loadable file.
+    `notes` are one-line comments printed under the header (e.g. the world size the parallel
+    degrees were resolved for).
     """
     out = [
         "# Resolved meshrun train config: key = value  # [default] when unchanged, else "
         "[default: X]; then what the key means.\n"
     ]
+    out += [f"# {' '.join(note.split())}\n" for note in notes]
     for name, section_doc, rows in _rows(cfg):
         out.append(f"\n[{name}]  # {section_doc}\n")
         keys = [k for k, *_ in rows]

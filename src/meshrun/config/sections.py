@@ -1,6 +1,6 @@
 """The typed sections of a `meshrun train` config; each one validates its own values.
 
-A component takes only its own section: `CheckpointManager(cfg.checkpoint, run_dir=...)`.
+A component takes only its own section: `build_model(cfg.model, vocab_size)`.
 Zero in a size field means "the named size's value"; each doc says what its 0 or "" means.
 """
 
@@ -11,13 +11,9 @@ from dataclasses import dataclass, field, fields
 
 from meshrun.config.base import Section, doc_field, fmt
 from meshrun.errors import ConfigError
+from meshrun.parallel.resolve import DTYPE_NAMES, ParallelOptions, check_options
 
-DTYPES = ("fp32", "bf16")
 SCHEDULES = ("cosine", "constant", "linear")
-# Strategies the trainer implements; the N-D parallelism issue adds its own here.
-STRATEGIES = ("ddp", "fsdp")
-# Must equal meshrun.parallel.pipeline.SCHEDULES' keys (tests/unit/test_parallel_pipeline.py).
-PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble")
 _FACTORY = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
 _NNODES = re.compile(r"^(\d+)(?::(\d+))?$")
 
@@ -97,7 +93,7 @@ class TrainSection(Section):
     def validate(self) -> None:
         for name in ("steps", "batch_size", "grad_accum", "eval_steps", "log_interval"):
             self.at_least(name, 1)
-        self.one_of("dtype", DTYPES)
+        self.one_of("dtype", DTYPE_NAMES)
         self.at_least("seed", 0)
         self.at_least("eval_interval", 0, " (0 = only at the end)")
         self.at_least("grad_clip", 0, " (0 = off)")
@@ -133,7 +129,10 @@ class OptimSection(Section):
 
 @dataclass(frozen=True)
 class ParallelSection(Section):
-    """How the model and batch spread over ranks; degrees are checked against the world size at start."""
+    """How the model and batch spread over ranks; degrees are checked against the world size at start.
+
+    Every rule is `meshrun.parallel.resolve`'s: `validate` runs the ones that need no world size.
+    """
 
     section = "parallel"
     strategy: str = doc_field("ddp", "'ddp' = every rank holds the whole model (or its pipeline stages) and gradients are all-reduced; 'fsdp' = FSDP2/HSDP, tensor and pipeline parallel over one DeviceMesh, from the degrees below.")
@@ -153,21 +152,7 @@ class ParallelSection(Section):
     reduce_dtype: str = doc_field("fp32", "FSDP dtype of the gradient reduce-scatter: 'fp32' or 'bf16'.")
 
     def validate(self) -> None:
-        self.one_of("strategy", STRATEGIES)
-        degrees = ("dp_replicate", "dp_shard", "tp", "pp")
-        for name in degrees:
-            self.require(name, getattr(self, name) == -1 or getattr(self, name) >= 1, ">= 1 or -1 (the ranks left)")
-        rest = [name for name in degrees if getattr(self, name) == -1]
-        if len(rest) > 1:
-            raise ConfigError(f"only one of parallel.{', parallel.'.join(degrees)} may be -1, got -1 for {', '.join(rest)}")
-        if self.strategy == "ddp":
-            for name in ("dp_shard", "tp"):
-                self.require(name, getattr(self, name) == 1, "1 with parallel.strategy = 'ddp' (it only replicates)")
-        self.one_of("pp_schedule", PP_SCHEDULES)
-        self.at_least("pp_microbatches", 0, " (0 = one per stage)")
-        self.at_least("pp_stages_per_rank", 0, " (0 = as the schedule needs)")
-        self.one_of("param_dtype", ("auto", *DTYPES))
-        self.one_of("reduce_dtype", DTYPES)
+        check_options(ParallelOptions.from_sections(self))
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,6 @@
-"""Parallelism: functions that wrap a model for the current world; `parallelize()` fixes the order."""
+"""Parallelism: functions that wrap a model for the current world; `parallelize()` fixes the order.
 
-from meshrun.parallel.parallelize import parallelize, unwrap_model
-
-__all__ = ["parallelize", "unwrap_model"]
+Import from the modules (`meshrun.parallel.parallelize`, `meshrun.parallel.resolve`, ...): the
+package itself imports nothing, so the layout rules (`resolve`, used by config validation) load
+without torch.
+"""

@@ -7,9 +7,9 @@
 
 The idea is torchtitan's `ParallelDims` (torchtitan/distributed/parallel_dims.py): one object owns
 the degrees, infers the one left as -1, names the mesh axes and builds the flattened axes the
-data loader and loss averaging need. Every degree check raises a one-line `ConfigError` that names
-the `parallel.*` key and lists values that would work, so a bad layout fails before any process
-group is created (and before any rank waits on a peer).
+data loader and loss averaging need. The degree checks are `meshrun.parallel.rules`' (one-line
+`ConfigError`s naming the `parallel.*` key and values that would work), so a bad layout fails
+before any process group is created (and before any rank waits on a peer).
 
 Mesh decision: the mesh always has all four axes ("pp", "dp_replicate", "dp_shard", "tp"), size 1
 included, so `mesh["tp"]` and `mesh["dp"]` exist in every layout and callers never branch on
@@ -25,30 +25,26 @@ See https://docs.pytorch.org/tutorials/recipes/distributed_device_mesh.html
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from math import gcd, prod
 from typing import TYPE_CHECKING
 
-from meshrun.errors import ConfigError
+from meshrun.parallel import rules
+from meshrun.parallel.rules import DEGREES
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
 # Outermost to innermost. Only these names are ever built.
 MESH_AXES = ("pp", "dp_replicate", "dp_shard", "tp")
-DEGREES = ("dp_replicate", "dp_shard", "tp", "pp")
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def _listing(values: list[int]) -> str:
-    return ", ".join(str(v) for v in values) if values else "none"
+__all__ = ["DEGREES", "MESH_AXES", "ParallelDims"]
 
 
 @dataclass(frozen=True)
 class ParallelDims:
-    """Parallel degrees for `world_size` ranks; -1 in at most one degree means "the ranks left"."""
+    """Parallel degrees for `world_size` ranks; -1 in at most one degree means "the ranks left".
+
+    The checks and the inference are `meshrun.parallel.rules.resolve_degrees`; a whole layout
+    (strategy, model shape, pipeline) is resolved by `meshrun.parallel.resolve.resolve_layout`.
+    """
 
     dp_replicate: int
     """Data-parallel replicas (DDP, or the replicate axis of HSDP)."""
@@ -62,102 +58,32 @@ class ParallelDims:
     """Total number of ranks; the product of the four degrees must equal it."""
 
     def __post_init__(self) -> None:
-        if isinstance(self.world_size, bool) or not isinstance(self.world_size, int) or self.world_size < 1:
-            raise ConfigError(f"world size must be an integer >= 1, got {self.world_size!r}")
-        for name in DEGREES:
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or (value < 1 and value != -1):
-                raise ConfigError(f"parallel.{name} must be an integer >= 1 or -1 (the ranks left), "
-                                  f"got {value!r}")
-        rest = [name for name in DEGREES if getattr(self, name) == -1]
-        if len(rest) > 1:
-            raise ConfigError(f"only one of parallel.{', parallel.'.join(DEGREES)} may be -1, "
-                              f"got -1 for {', '.join(rest)}; set all but one of them")
-        if rest:
-            self._infer(rest[0])
-        product = prod(getattr(self, name) for name in DEGREES)
-        if product != self.world_size:
-            raise ConfigError(f"{self._product_text()} = {product} does not equal the world size "
-                              f"{self.world_size}; {self._product_fix()}")
-
-    def _infer(self, name: str) -> None:
-        others = prod(getattr(self, n) for n in DEGREES if n != name)
-        if self.world_size % others:
-            fixed = [n for n in DEGREES if n != name and getattr(self, n) > 1]
-            raise ConfigError(
-                f"parallel.{name}=-1 takes the ranks left, but "
-                f"{' x '.join(f'parallel.{n}={getattr(self, n)}' for n in fixed) or '1'} = {others} "
-                f"does not divide the world size {self.world_size}; use degrees whose product "
-                f"divides it (divisors: {_listing(_divisors(self.world_size))})")
-        object.__setattr__(self, name, self.world_size // others)
-
-    def _product_text(self) -> str:
-        return " x ".join(f"parallel.{n}={getattr(self, n)}" for n in DEGREES)
-
-    def _product_fix(self) -> str:
-        """Name single-key changes that would fit, so the message says what to type."""
-        fits = []
-        for name in DEGREES:
-            others = prod(getattr(self, n) for n in DEGREES if n != name)
-            if self.world_size % others == 0:
-                fits.append(f"parallel.{name}={self.world_size // others}")
-        hint = f"e.g. {' or '.join(fits)}, " if fits else ""
-        return f"{hint}or set one degree to -1 to take the ranks left"
+        resolved = rules.resolve_degrees({name: getattr(self, name) for name in DEGREES}, self.world_size)
+        for name, value in resolved.items():
+            object.__setattr__(self, name, value)  # frozen: the one -1 becomes the ranks left
 
     @classmethod
     def from_config(cls, parallel_cfg, world_size: int) -> ParallelDims:
-        """From a `[parallel]` section (anything with the four degree attributes).
-
-        With `strategy = "fsdp"` and both data-parallel degrees left at their defaults
-        (dp_replicate=-1, dp_shard=1, which mean plain replication), the ranks left go to
-        dp_shard instead: asking for FSDP should shard, not silently replicate.
-        """
+        """From a `[parallel]` section (anything with the four degree attributes and a strategy),
+        with the strategy's default applied (`rules.strategy_degrees`: fsdp shards the ranks
+        left). Prefer `resolve_layout`, which checks the whole layout."""
         degrees = {name: getattr(parallel_cfg, name) for name in DEGREES}
-        if (getattr(parallel_cfg, "strategy", "ddp") == "fsdp"
-                and (degrees["dp_replicate"], degrees["dp_shard"]) == (-1, 1)):
-            degrees["dp_replicate"], degrees["dp_shard"] = 1, -1
-        return cls(**degrees, world_size=world_size)
+        return cls(**rules.strategy_degrees(getattr(parallel_cfg, "strategy", "ddp"), degrees),
+                   world_size=world_size)
 
-    # -- checks against the model and the batch (no process group needed) --------------------
+    # -- checks against the model (no process group needed) ------------------------------------
 
     def check_model(self, *, n_heads: int | None = None, n_kv_heads: int | None = None,
-                    n_layers: int | None = None) -> None:
-        """Raise ConfigError if tp does not divide the heads or pp exceeds the blocks.
-
-        None skips a check (a user model that does not say). Colwise TP gives each rank whole
-        heads, so tp must divide both the query and the key/value head counts.
-        """
-        if self.tp > 1:
-            for key, heads in (("n_heads", n_heads), ("n_kv_heads", n_kv_heads)):
-                if heads is not None and heads % self.tp:
-                    common = gcd(n_heads or heads, n_kv_heads or heads)
-                    valid = [d for d in _divisors(common) if self.world_size % d == 0]
-                    raise ConfigError(f"parallel.tp={self.tp} does not divide model.{key}={heads}; "
-                                      f"valid: {_listing(valid)}")
-        if n_layers is not None and self.pp > n_layers:
-            valid = [d for d in _divisors(self.world_size) if d <= n_layers]
-            raise ConfigError(f"parallel.pp={self.pp} exceeds model.n_layers={n_layers} (a stage "
-                              f"needs at least one block); valid: {_listing(valid)}")
+                    n_layers: int | None = None, tie_embeddings: bool | None = None) -> None:
+        """Raise ConfigError if tp does not divide the heads or pp exceeds the blocks
+        (`rules.check_model_shape`); None skips a check (a user model that does not say)."""
+        rules.check_model_shape(tp=self.tp, pp=self.pp, world_size=self.world_size, n_heads=n_heads,
+                                n_kv_heads=n_kv_heads, n_layers=n_layers, tie_embeddings=tie_embeddings)
 
     def check_model_args(self, args) -> None:
-        """`check_model` from an object with n_heads / n_kv_heads / n_layers attributes."""
-        self.check_model(n_heads=getattr(args, "n_heads", None),
-                         n_kv_heads=getattr(args, "n_kv_heads", None) or getattr(args, "n_heads", None),
-                         n_layers=getattr(args, "n_layers", None))
-
-    def check_batch(self, batch_size: int, microbatches: int = 0) -> int:
-        """Check the pipeline micro-batching of a per-rank batch; return the micro-batch count.
-
-        microbatches 0 means one per stage. Without pipeline parallelism this always passes.
-        """
-        if not self.pp_enabled:
-            return 1
-        n = microbatches or self.pp
-        if n < 1 or batch_size % n:
-            valid = _divisors(batch_size)
-            raise ConfigError(f"parallel.pp_microbatches={n} does not divide train.batch_size="
-                              f"{batch_size}; valid: {_listing(valid)}")
-        return n
+        """`check_model` from an object with n_heads / n_kv_heads / n_layers / tie_embeddings
+        attributes (the built-in ModelArgs); what it lacks is not checked."""
+        self.check_model(**rules.model_shape_of(args))
 
     # -- flags and sizes ------------------------------------------------------------------------
 

@@ -28,6 +28,7 @@ from meshrun.errors import ConfigError
 from meshrun.parallel.checkpointing import apply_activation_checkpointing
 from meshrun.parallel.ddp import apply_ddp
 from meshrun.parallel.dims import ParallelDims
+from meshrun.parallel.rules import check_tp_features
 
 if TYPE_CHECKING:
     from meshrun.parallel.pipeline import Pipeline
@@ -96,9 +97,7 @@ def parallelize_pipeline(model: nn.Module, dims: ParallelDims, mesh, plan, *, de
     """
     from meshrun.parallel.pipeline import build_pipeline
 
-    if options.get("sequence_parallel") or options.get("loss_parallel"):
-        raise ConfigError("parallel.sequence_parallel / parallel.loss_parallel do not compose with "
-                          "parallel.pp > 1 here; turn them off or set parallel.pp=1")
+    check_tp_features(dims.tp, dims.pp, bool(options.get("sequence_parallel")), bool(options.get("loss_parallel")))
     return build_pipeline(model, plan, mesh["pp"], device=device, grad_accum=grad_accum,
                           parallelize_part=lambda part: _apply_nd(part, dims, mesh, device=device, **options))
 
@@ -109,8 +108,7 @@ def _apply_nd(model: nn.Module, dims: ParallelDims, mesh, *, device: torch.devic
               activation_checkpointing: bool = False, sequence_parallel: bool = False,
               loss_parallel: bool = False) -> nn.Module:
     """tp -> activation checkpointing -> fsdp/ddp on one module (a whole model or a pp stage)."""
-    if (sequence_parallel or loss_parallel) and not dims.tp_enabled:
-        raise ConfigError("sequence/loss parallel need parallel.tp > 1")
+    check_tp_features(dims.tp, dims.pp, sequence_parallel, loss_parallel)
     if dims.tp_enabled:
         from meshrun.parallel.tp import apply_tp
 

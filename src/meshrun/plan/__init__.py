@@ -6,10 +6,10 @@
 
 from __future__ import annotations
 
+from meshrun.plan.activations import activation_bytes
 from meshrun.plan.memory import (
     MemoryEstimate,
     Plan,
-    activation_bytes,
     candidates,
     estimate,
     layouts,

@@ -12,27 +12,10 @@ What is counted, per rank, on the most-loaded rank (the largest shard, the fulle
   tensor per parameter tensor (torch.optim.AdamW, non-capturable).
 - fsdp_buffers: with dp_shard > 1, the all-gathered (unsharded) parameters of two blocks,
   the one computing and the one prefetched (FSDP2's default of one block ahead).
-- activations: the peak bytes autograd holds saved for backward during a training step (what
-  `meshrun.plan.measure.SavedActivations` measures), on the fullest pipeline rank, for
-  ``batch_size`` x ``seq_len`` per data-parallel rank. Korthikanti et al. 2022, "Reducing
-  Activation Recomputation in Large Transformer Models" (arXiv:2205.05198), count
-  sbh(34 + 5as/h) bytes per GPT layer (16-bit, dropout, 4h GELU MLP). For this decoder (no
-  dropout, SwiGLU of width f, RMSNorm, CPU/flash SDPA that keeps no s x s matrix) a layer saves
-  sb(4h + a + 4f)/tp (q, k, v as SDPA sees them, its output, its logsumexp, the four f-wide
-  SwiGLU tensors) plus sb(6h + 2) for the two norms (input, 1/rms, normalised input before and
-  after the weight), which TP leaves whole; sequence parallel splits the norms' first three
-  and saves the all-gathered linear inputs whole: sb(2(2h + 1)/tp + 2h). Times the element
-  size (4 fp32, 2 bf16). The last stage adds the final norm and the cross entropy's fp32
-  log-softmax (sbV, split by tp only with loss parallel); both ends add the int64 ids.
-  Pipeline parallel counts the micro-batches a rank holds at once under its schedule (GPipe
-  and looped BFS: all; 1F1B: pp - rank; interleaved 1F1B: torch's warm-up + 1; interleaved
-  zero bubble: torch's own action order, where W frees only what weight gradients read).
-  With activation checkpointing a block keeps only its input (sbh), plus one block's
-  activations while it is recomputed (the paper's ~2sbh per layer with its recompute buffer).
-  Not counted: allocator slack, temporaries (the fp32 upcast inside RoPE, softmax buffers),
-  communication buffers, and the one metadata forward torch's pipeline runs on its first step
-  and after each eval. Checked against the measurement in one process (tests/unit/test_plan.py)
-  and per rank for every layout of tests/e2e/test_parallel_matrix.py (within 1%, zero bubble 11%).
+- activations: the peak bytes autograd holds saved for backward on the fullest pipeline rank,
+  for ``batch_size`` x ``seq_len`` per data-parallel rank (`meshrun.plan.activations`).
+Checked against the measurement in one process (tests/unit/test_plan.py) and per rank for every
+layout of tests/e2e/test_parallel_matrix.py (within 1%, zero bubble 11%).
 """
 
 from __future__ import annotations
@@ -43,11 +26,11 @@ from math import prod
 from meshrun.errors import ConfigError
 from meshrun.models.llama import ModelArgs
 from meshrun.parallel.dims import ParallelDims
-from meshrun.parallel.pipeline import SCHEDULES
-from meshrun.plan.show import param_shapes, placements, stage_of_block
+from meshrun.parallel.rules import check_world_size, divisors, model_fits
+from meshrun.plan.activations import activation_bytes, dtype_bytes
+from meshrun.plan.show import param_shapes, placements
 
 GIB = 2**30
-DTYPE_BYTES = {"fp32": 4, "bf16": 2}
 ADAM_STEP_BYTES = 4  # AdamW's per-tensor `step`, a float32 scalar tensor
 
 
@@ -79,12 +62,6 @@ class MemoryEstimate:
         return f"dp_replicate={d.dp_replicate} dp_shard={d.dp_shard} tp={d.tp} pp={d.pp}"
 
 
-def _check_dtype(dtype: str) -> int:
-    if dtype not in DTYPE_BYTES:
-        raise ConfigError(f"train.dtype={dtype!r} is not known; use one of: {', '.join(DTYPE_BYTES)}")
-    return DTYPE_BYTES[dtype]
-
-
 def state_bytes(args: ModelArgs, dims: ParallelDims,
                 shapes: list[tuple[str, tuple[int, ...]]] | None = None) -> tuple[int, int, int, int]:
     """(params, grads, optim, fsdp_buffers) bytes on the most-loaded rank."""
@@ -104,133 +81,6 @@ def state_bytes(args: ModelArgs, dims: ParallelDims,
     numel, tensors = max(per_stage)
     buffers = 2 * 4 * max(block_full.values(), default=0) if dims.dp_shard > 1 else 0
     return 4 * numel, 4 * numel, 2 * 4 * numel + ADAM_STEP_BYTES * tensors, buffers
-
-
-def _stage_bytes(args: ModelArgs, tp: int, tokens: int, elem: int, *, blocks: int, first: bool, last: bool,
-                 sequence_parallel: bool, loss_parallel: bool,
-                 activation_checkpointing: bool) -> tuple[int, int]:
-    """Saved-for-backward bytes of one pipeline stage (or the whole model) for `tokens` tokens;
-    and the part of them that outlives the weight-gradient pass of a zero-bubble schedule."""
-    h, f = args.dim, args.ffn_hidden
-    # Per token and block: q, k and v as SDPA sees them (k/v repeated to n_heads, so 3h), its
-    # output (which wo reads in place), its logsumexp (n_heads), the four f-wide SwiGLU
-    # tensors; all split by TP. The two RMSNorms save their input, 1/rms and the normalised
-    # input before and after the weight (3h + 1 each). Under sequence parallel the first three
-    # are split (2h + 1) and the output is saved only as the all-gathered (whole) input of
-    # wq/wk/wv and w1/w3 (h).
-    sp = sequence_parallel and tp > 1
-    split = 4 * h + args.n_heads + 4 * f
-    norms = 2 * (-(-(2 * h + 1) // tp) + h) if sp else 2 * (3 * h + 1)
-    per_layer = tokens * (-(-split // tp) + norms)
-    # What only the weight gradients read (the norms' two h-wide outputs, w2's input), freed by
-    # a zero-bubble W; the rest stays until its graph goes at the end of the step.
-    weight_only = tokens * ((-(-(2 * h) // tp) + 2 * h if sp else 4 * h) + -(-f // tp))
-    if activation_checkpointing:  # block inputs, plus one block's activations while recomputed
-        acts = (blocks * tokens * h + per_layer) * elem if blocks else 0
-        kept = acts
-    else:
-        acts = blocks * per_layer * elem
-        kept = blocks * (per_layer - weight_only) * elem
-    if first:
-        acts += 8 * tokens  # the int64 token ids the embedding saves
-        kept += 8 * tokens
-    if last:  # final norm, the fp32 log-softmax the cross entropy saves, the int64 targets
-        final = (-(-(2 * h + 1) // tp) + h) if sp else 3 * h + 1
-        vocab = -(-args.vocab_size // tp) if loss_parallel else args.vocab_size
-        acts += tokens * (final * elem + 4 * vocab + 8)
-        kept += tokens * ((h + 1) * elem + 4 * vocab + 8)
-    return acts, kept
-
-
-def _zero_bubble_peak(pp_rank: int, pp: int, per_rank: int, microbatches: int,
-                      stage_bytes: dict[int, tuple[int, int]]) -> int:
-    """Peak of torch's interleaved zero-bubble (ZB1P, arXiv:2401.10241) on `pp_rank`, replaying
-    the action order torch computes for it: F saves a micro-batch's activations; I (input
-    gradients, graph retained) frees nothing; W (weight gradients) frees what only it reads,
-    and the rest stays until the step ends."""
-    from types import SimpleNamespace
-
-    from torch.distributed.pipelining.schedules import ScheduleInterleavedZeroBubble
-
-    rounds = max(1, microbatches // pp)
-    spec = SimpleNamespace(n_local_stages=per_rank, pp_group_size=pp, _n_microbatches=microbatches,
-                           number_of_rounds=rounds, microbatches_per_round=microbatches // rounds,
-                           rank=pp_rank)
-    current = peak = 0
-    for action in ScheduleInterleavedZeroBubble._calculate_single_rank_operations(spec, pp_rank):
-        if action is None:
-            continue
-        full, kept = stage_bytes[action.stage_index]
-        kind = action.computation_type.value
-        if kind == "F":
-            current += full
-        elif kind == "W":
-            current -= full - kept
-        peak = max(peak, current)
-    return peak
-
-
-def _in_flight(schedule: str, pp_rank: int, pp: int, per_rank: int, microbatches: int) -> list[int]:
-    """Micro-batches alive (forward done, backward not) at the peak, per local stage of `pp_rank`.
-
-    GPipe and looped BFS run every forward before any backward. 1F1B (PipeDream-Flush) lets
-    rank r run pp - r forwards before its first backward. torch's interleaved schedules warm
-    up with (stages_per_rank - 1) x pp + 2 (pp - 1 - r) forwards, pp micro-batches per local
-    stage in turn, then alternate, so one more is alive at the peak
-    (torch/distributed/pipelining/schedules.py, Interleaved1F1B)."""
-    if schedule in ("gpipe", "looped_bfs") or (per_rank == 1 and schedule != "1f1b"):
-        return [microbatches] * per_rank
-    if schedule == "1f1b":
-        return [min(microbatches, pp - pp_rank)]
-    per_round = min(microbatches, pp)
-    alive = min(microbatches * per_rank, (per_rank - 1) * per_round + 2 * (pp - 1 - pp_rank) + 1)
-    counts = [0] * per_rank
-    done = 0
-    while done < alive:
-        for local in range(per_rank):
-            take = min(per_round, alive - done, microbatches - counts[local])
-            counts[local] += take
-            done += take
-    return counts
-
-
-def activation_bytes(args: ModelArgs, dims: ParallelDims, *, batch_size: int, seq_len: int,
-                     dtype: str = "fp32", activation_checkpointing: bool = False,
-                     sequence_parallel: bool = False, loss_parallel: bool = False,
-                     pp_schedule: str = "gpipe", pp_microbatches: int = 0,
-                     pp_stages_per_rank: int = 0) -> int:
-    """Peak saved-for-backward bytes on the fullest pipeline rank (formula in the docstring)."""
-    elem = _check_dtype(dtype)
-    per_rank = pp_stages_per_rank or (2 if SCHEDULES.get(pp_schedule, ("", False))[1] else 1)
-    num_stages = dims.pp * per_rank
-    micro = pp_microbatches or (num_stages if dims.pp > 1 else 1)
-    if pp_schedule not in SCHEDULES:
-        raise ConfigError(f"parallel.pp_schedule={pp_schedule!r} is not supported; "
-                          f"choose one of {', '.join(SCHEDULES)}")
-    if batch_size % micro:  # the run itself refuses this (plan_pipeline); count the whole batch
-        micro = 1
-    tokens = batch_size // micro * seq_len
-    blocks = [0] * num_stages
-    for i in range(args.n_layers):
-        blocks[stage_of_block(i, args.n_layers, num_stages)] += 1
-    stage_bytes = {s: _stage_bytes(args, dims.tp, tokens, elem, blocks=blocks[s], first=s == 0,
-                                   last=s == num_stages - 1, sequence_parallel=sequence_parallel,
-                                   loss_parallel=loss_parallel,
-                                   activation_checkpointing=activation_checkpointing)
-                   for s in range(num_stages)}
-    totals = []
-    for pp_rank in range(dims.pp):
-        if dims.pp > 1 and pp_schedule == "interleaved_zero_bubble":
-            try:
-                totals.append(_zero_bubble_peak(pp_rank, dims.pp, per_rank, micro, stage_bytes))
-                continue
-            except (AttributeError, TypeError, ValueError):  # torch's private order moved: count as 1F1B
-                pass
-        stages = [pp_rank + k * dims.pp for k in range(per_rank)]
-        schedule = "interleaved_1f1b" if pp_schedule == "interleaved_zero_bubble" else pp_schedule
-        alive = _in_flight(schedule, pp_rank, dims.pp, per_rank, micro) if dims.pp > 1 else [1]
-        totals.append(sum(n * stage_bytes[s][0] for s, n in zip(stages, alive, strict=True)))
-    return max(totals)
 
 
 def estimate(args: ModelArgs, dims: ParallelDims, *, batch_size: int, seq_len: int,
@@ -253,18 +103,16 @@ def estimate(args: ModelArgs, dims: ParallelDims, *, batch_size: int, seq_len: i
 def layouts(args: ModelArgs, world_size: int) -> list[ParallelDims]:
     """Every (dp_replicate, dp_shard, tp, pp) with product world_size, tp dividing n_heads and
     n_kv_heads, and pp <= n_layers."""
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ConfigError(f"world size must be an integer >= 1, got {world_size!r}")
-    divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
+    check_world_size(world_size)
+    found = divisors(world_size)
     out = []
-    for pp in divisors:
-        if pp > args.n_layers:
-            continue
-        for tp in divisors:
-            if (world_size // pp) % tp or args.n_heads % tp or args.n_kv_heads % tp:
+    for pp in found:
+        for tp in found:
+            if (world_size // pp) % tp or not model_fits(tp=tp, pp=pp, n_heads=args.n_heads,
+                                                         n_kv_heads=args.n_kv_heads, n_layers=args.n_layers):
                 continue
             rest = world_size // (pp * tp)
-            for dp_shard in (d for d in divisors if rest % d == 0):
+            for dp_shard in (d for d in found if rest % d == 0):
                 out.append(ParallelDims(rest // dp_shard, dp_shard, tp, pp, world_size=world_size))
     return out
 
@@ -295,7 +143,7 @@ def candidates(args: ModelArgs, *, world_size: int, batch_size: int, seq_len: in
                dtype: str = "fp32", activation_checkpointing: bool = False,
                device_memory: int | None = None) -> Plan:
     """Estimate every layout of `world_size` ranks and rank them with `rank_key`."""
-    _check_dtype(dtype)
+    dtype_bytes(dtype)
     found = layouts(args, world_size)
     if not found:  # only when no tp/pp fits the model, e.g. world 1 always has (1, 1, 1, 1)
         raise ConfigError(f"no layout of {world_size} ranks fits model heads/layers")

@@ -3,15 +3,14 @@
 from __future__ import annotations
 
 from meshrun.config import JobConfig
-from meshrun.data.tokenizer import load_tokenizer
-from meshrun.errors import ConfigError
-from meshrun.launch.args import resolve_nproc_per_node
-from meshrun.models.factory import model_args_from_config
-from meshrun.parallel.dims import ParallelDims
+from meshrun.parallel.resolve import ModelShape, ParallelOptions, check_options, resolve_layout
 
 
 def preflight(cfg: JobConfig, *, nproc_per_node: str, nnodes: str = "1") -> None:
     """Raise a one-line MeshrunError for what would otherwise fail on every rank."""
+    from meshrun.data.tokenizer import load_tokenizer
+    from meshrun.launch.args import resolve_nproc_per_node
+
     resolve_nproc_per_node(str(nproc_per_node))  # 0 or garbage: a LaunchError naming the flag
     tokenizer = load_tokenizer(cfg.data.tokenizer)
     if cfg.data.path:
@@ -26,34 +25,31 @@ def preflight(cfg: JobConfig, *, nproc_per_node: str, nnodes: str = "1") -> None
 
 
 def _check_layout(cfg: JobConfig, vocab_size: int, nproc_per_node: str, nnodes: str) -> None:
-    """Degrees vs world size, heads and layers, pipeline schedule vs stages and batch, before any
-    process group exists."""
-    pcfg = cfg.parallel
-    if (pcfg.sequence_parallel or pcfg.loss_parallel) and pcfg.tp == 1:
-        raise ConfigError("parallel.sequence_parallel / parallel.loss_parallel split over tensor-parallel "
-                          "ranks; set parallel.tp > 1 (with parallel.strategy = 'fsdp') or turn them off")
-    if (pcfg.sequence_parallel or pcfg.loss_parallel) and pcfg.pp > 1:
-        raise ConfigError("parallel.sequence_parallel / parallel.loss_parallel do not compose with "
-                          "parallel.pp > 1 here; turn them off or set parallel.pp=1")
-    nproc = resolve_nproc_per_node(str(nproc_per_node))
-    nodes = _fixed_nnodes(str(nnodes))
-    if not nproc.isdigit() or nodes is None:
-        return  # cpu/gpu counts or an elastic MIN:MAX world: checked on the workers
-    dims = ParallelDims.from_config(pcfg, world_size=int(nproc) * nodes)
-    if cfg.model.factory:
-        return  # the user's model: its layout is checked on the workers
-    args = model_args_from_config(cfg.model, vocab_size)
-    dims.check_model_args(args)
-    if dims.pp_enabled:
-        from meshrun.parallel.pipeline import plan_pipeline
+    """The whole layout (`resolve_layout`) for the world these launch options give, before any
+    process group exists; with no fixed world, the rules that need none."""
+    from meshrun.launch.args import resolve_nproc_per_node
 
-        plan_pipeline(pp=dims.pp, schedule=pcfg.pp_schedule, stages_per_rank=pcfg.pp_stages_per_rank,
-                      split_points=pcfg.pp_split_points, n_layers=args.n_layers,
-                      batch_size=cfg.train.batch_size, microbatches=pcfg.pp_microbatches,
-                      dp_size=dims.dp_size)
-        if args.tie_embeddings:
-            raise ConfigError("pipeline parallel with model.tie_embeddings=true would split the shared "
-                              "matrix between the first and last stage; set model.tie_embeddings=false")
+    options = ParallelOptions.from_config(cfg)
+    world = fixed_world_size(resolve_nproc_per_node(str(nproc_per_node)), str(nnodes))
+    if world is None:
+        check_options(options)  # cpu/gpu counts or an elastic MIN:MAX world: the rest on the workers
+        return
+    model = None
+    if not cfg.model.factory:  # the user's model: its shape is checked on the workers
+        from meshrun.models.factory import model_args_from_config
+
+        model = ModelShape.from_args(model_args_from_config(cfg.model, vocab_size))
+    resolve_layout(options, world, model)
+
+
+def fixed_world_size(nproc_per_node: str, nnodes: str) -> int | None:
+    """nproc_per_node x nnodes when both are fixed numbers; None for 'auto', cpu/gpu counts or
+    an elastic MIN:MAX node range (the world is known only at launch)."""
+    nodes = _fixed_nnodes(str(nnodes))
+    nproc = str(nproc_per_node).strip()
+    if not nproc.isdigit() or nodes is None:
+        return None
+    return int(nproc) * nodes
 
 
 def _fixed_nnodes(nnodes: str) -> int | None:
