@@ -4,8 +4,9 @@
     python benchmarks/parallel_layouts.py --steps 20 --dim 256 --layouts ddp4,fsdp4,pp2_fsdp2
 
 A report, not a gate. Each layout runs in its own `run_distributed` launch (so peak RSS is its
-own), trains the built-in Transformer through meshrun's parallelize_nd / parallelize_pipeline
-and train_step / train_step_pp on a fixed global batch, and reports, from the slowest rank:
+own), resolves it with `resolve_layout` (the call `meshrun train` makes), trains the built-in
+Transformer through meshrun's parallelize_nd / parallelize_pipeline and train_step /
+train_step_pp on a fixed global batch, and reports, from the slowest rank:
 - step: median wall seconds of the steps after --warmup (includes waiting on peers);
 - state: the most-loaded rank's local bytes of params + grads + AdamW state (DTensor shards by
   `to_local()`), what `meshrun plan` estimates;
@@ -26,25 +27,32 @@ import torch
 import torch.distributed as dist
 
 from meshrun.models.llama import ModelArgs, Transformer
-from meshrun.parallel.dims import ParallelDims
 from meshrun.parallel.parallelize import parallelize_nd, parallelize_pipeline
-from meshrun.parallel.pipeline import plan_pipeline
+from meshrun.parallel.resolve import ModelShape, ParallelOptions, resolve_layout
 from meshrun.testing import run_distributed
 from meshrun.train.step import train_step, train_step_pp
 
+# [parallel] keys of each layout (ParallelOptions); the degrees left out are 1.
 LAYOUTS = {
-    "ddp4": dict(dp_replicate=4),
+    "ddp4": dict(strategy="ddp", dp_replicate=4),
     "fsdp4": dict(dp_shard=4),
     "hsdp2x2": dict(dp_replicate=2, dp_shard=2),
     "tp2_dp2": dict(dp_replicate=2, tp=2),
     "tp4": dict(tp=4),
     "fsdp2_tp2": dict(dp_shard=2, tp=2),
-    "pp2_gpipe_dp2": dict(pp=2, dp_replicate=2, schedule="gpipe"),
-    "pp2_1f1b_dp2": dict(pp=2, dp_replicate=2, schedule="1f1b"),
-    "pp2_interleaved_1f1b_dp2": dict(pp=2, dp_replicate=2, schedule="interleaved_1f1b"),
-    "pp2_fsdp2": dict(pp=2, dp_shard=2, schedule="1f1b"),
-    "pp2_tp2": dict(pp=2, tp=2, schedule="1f1b"),
+    "pp2_gpipe_dp2": dict(pp=2, dp_replicate=2, pp_schedule="gpipe"),
+    "pp2_1f1b_dp2": dict(pp=2, dp_replicate=2, pp_schedule="1f1b"),
+    "pp2_interleaved_1f1b_dp2": dict(pp=2, dp_replicate=2, pp_schedule="interleaved_1f1b"),
+    "pp2_fsdp2": dict(pp=2, dp_shard=2, pp_schedule="1f1b"),
+    "pp2_tp2": dict(pp=2, tp=2, pp_schedule="1f1b"),
 }
+
+
+def options_for(layout: dict, global_batch: int) -> ParallelOptions:
+    """The layout's ParallelOptions (strategy fsdp unless it says ddp), with the per-dp-rank batch."""
+    keys = {"strategy": "fsdp", "dp_replicate": 1, "dp_shard": 1, "tp": 1, "pp": 1, **layout}
+    dp_size = keys["dp_replicate"] * keys["dp_shard"]
+    return ParallelOptions(**keys, batch_size=global_batch // dp_size)
 
 
 def _local_bytes(tensors) -> int:
@@ -56,23 +64,20 @@ def _local_bytes(tensors) -> int:
 
 
 def run_layout(layout: dict, model_args: dict, batch: int, seq: int, steps: int, warmup: int) -> dict:
-    opts = dict(layout)
-    schedule = opts.pop("schedule", None)
-    world = dist.get_world_size()
-    dims = ParallelDims(dp_replicate=opts.pop("dp_replicate", 1), dp_shard=opts.pop("dp_shard", 1),
-                        tp=opts.pop("tp", 1), pp=opts.pop("pp", 1), world_size=world)
+    args = ModelArgs(**model_args)
+    resolved = resolve_layout(options_for(layout, batch), dist.get_world_size(),
+                              ModelShape.from_args(args))
+    dims, options = resolved.dims, resolved.options
     cpu = torch.device("cpu")
-    model = Transformer(ModelArgs(**model_args), seed=0)
+    model = Transformer(args, seed=0)
     mesh = dims.build_mesh("cpu")
     pipeline = None
-    if dims.pp_enabled:
-        plan = plan_pipeline(pp=dims.pp, schedule=schedule, stages_per_rank=0, split_points="",
-                             n_layers=model_args["n_layers"], batch_size=batch // dims.dp_size,
-                             microbatches=0, dp_size=dims.dp_size)
-        pipeline = parallelize_pipeline(model, dims, mesh, plan, device=cpu, **opts)
+    if resolved.pipeline is not None:
+        pipeline = parallelize_pipeline(model, dims, mesh, resolved.pipeline, device=cpu)
         parts = pipeline.parts
     else:
-        parts = [parallelize_nd(model, dims, mesh, device=cpu, **opts)]
+        parts = [parallelize_nd(model, dims, mesh, device=cpu,
+                                sequence_parallel=options.sequence_parallel, loss_parallel=options.loss_parallel)]
     del model
     optimizers = [torch.optim.AdamW(p.parameters(), lr=1e-3) for p in parts]
     gen = torch.Generator().manual_seed(0)
@@ -115,6 +120,11 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--timeout", type=float, default=120, help="seconds per layout launch")
     args = p.parse_args()
+    for name in args.layouts.split(","):  # a bad layout fails here, in one line, before any launch
+        if name not in LAYOUTS:
+            p.error(f"--layouts: unknown layout {name!r}; choose from {', '.join(LAYOUTS)}")
+        resolve_layout(options_for(LAYOUTS[name], args.batch_size), 4,
+                       ModelShape(n_heads=4, n_kv_heads=4, n_layers=args.n_layers))
     model_args = dict(vocab_size=256, dim=args.dim, n_layers=args.n_layers, n_heads=4, n_kv_heads=4,
                       max_seq_len=args.seq_len)
     results = {}
