@@ -51,6 +51,15 @@ def test_plan_show_tp2_dp_shard2(run):
     assert "[65, 128] on ranks 0-2; [64, 128] on ranks 3" in lines["tok_embeddings.weight"]
 
 
+def test_plan_show_prints_the_resolved_layout_for_the_launch_world(run):
+    code, out, err = run("--show", "--model", "tiny", "--set", "parallel.strategy=fsdp",
+                         "--set", "launch.nproc_per_node=2", "--set", "parallel.pp=2", "--set", "train.batch_size=8")
+    assert code == 0, err
+    assert out.splitlines()[0] == ("resolved: fsdp: pp 2 (world 2); pipeline gpipe, 2 stages (1 per rank), "
+                                   "2 micro-batches; params fp32, reduce fp32")
+    assert "stage 1" in out
+
+
 @pytest.mark.parametrize("argv,message", [
     (("--model", "tinyy", "--world", "4"), "--model='tinyy' is not a known model size; did you mean 'tiny'?"),
     (("--model", "tiny", "--world", "0"), "--world must be >= 1, got 0"),
@@ -59,6 +68,10 @@ def test_plan_show_tp2_dp_shard2(run):
      "no layout of 2 ranks fits in 0.01 GiB per device; the smallest needs"),
     (("--show", "--world", "4", "--set", "parallel.strategy=fsdp", "--set", "parallel.tp=4",
       "--set", "parallel.dp_replicate=1"), "parallel.tp=4 does not divide model.n_kv_heads=2; valid: 1, 2"),
+    (("--show", "--set", "parallel.strategy=fsdp"), "--show needs --world N (or a number in launch.nproc_per_node): "
+     "parallel.dp_shard is -1, the ranks left"),
+    (("--show", "--world", "2", "--set", "parallel.pp=2", "--set", "parallel.pp_microbatches=3"),
+     "parallel.pp_microbatches=3 does not divide train.batch_size=16"),
 ])
 def test_plan_errors_are_one_line(run, argv, message):
     code, _, err = run(*argv)

@@ -369,3 +369,45 @@ def test_config_pickles_for_worker_processes():
 
     cfg = _unusual()
     assert pickle.loads(pickle.dumps(cfg)) == cfg
+
+
+# --- `meshrun config show`: the parallel degrees resolved ---------------------------------------
+
+
+def _show(capsys, *overrides: str) -> str:
+    from meshrun.cli import config as config_cli
+
+    assert config_cli.main(["show", *[arg for o in overrides for arg in ("--set", o)]]) == 0
+    return capsys.readouterr().out
+
+
+def _value(text: str, key: str) -> str:
+    return next(line for line in text.splitlines() if line.startswith(f"{key} ")).split("=")[1].split("#")[0].strip()
+
+
+def test_config_show_prints_degrees_resolved_for_a_fixed_world(capsys, tmp_path):
+    text = _show(capsys, "parallel.strategy=fsdp", "launch.nproc_per_node=2", "launch.nnodes=2")
+    assert (_value(text, "dp_replicate"), _value(text, "dp_shard")) == ("1", "4")
+    assert "# [parallel] resolved for world size 4 (launch.nproc_per_node = 2 x launch.nnodes = 2)" in text
+    cfg = load_config(write(tmp_path, text))  # still a config file, and it resolves the same
+    assert (cfg.parallel.dp_replicate, cfg.parallel.dp_shard, cfg.launch.nproc_per_node) == (1, 4, "2")
+    text = _show(capsys, "launch.nproc_per_node=4", "parallel.pp=2")
+    assert (_value(text, "dp_replicate"), _value(text, "pp")) == ("2", "2")
+    assert "pipeline gpipe, 2 stages" in text
+
+
+def test_config_show_without_a_fixed_world_applies_only_the_strategy(capsys):
+    text = _show(capsys, "parallel.strategy=fsdp")  # nproc_per_node 'auto': known at launch
+    assert (_value(text, "dp_replicate"), _value(text, "dp_shard")) == ("1", "-1")
+    assert "the world size is known only at launch (launch.nproc_per_node = 'auto'" in text
+    text = _show(capsys, "launch.nproc_per_node=2", "launch.nnodes=1:2")  # elastic
+    assert _value(text, "dp_replicate") == "-1"
+
+
+def test_config_show_refuses_a_layout_train_would_refuse(capsys):
+    from meshrun.cli import config as config_cli
+
+    msg = error_of(config_cli.main, ["show", "--set", "parallel.strategy=fsdp", "--set", "parallel.tp=4",
+                                     "--set", "launch.nproc_per_node=4"])
+    assert msg == "parallel.tp=4 does not divide model.n_kv_heads=2; valid: 1, 2"
+

@@ -23,8 +23,8 @@ def resolved(cfg: JobConfig) -> tuple[JobConfig, tuple[str, ...]]:
     world = fixed_world_size(launch.nproc_per_node, launch.nnodes)
     if world is None:
         degrees = stated_degrees(options)
-        note = (f"[parallel] not resolved to a world size: launch.nproc_per_node = {launch.nproc_per_node!r}, "
-                f"launch.nnodes = {launch.nnodes!r} fix it only at launch; -1 = the ranks left")
+        note = (f"[parallel] the world size is known only at launch (launch.nproc_per_node = "
+                f"{launch.nproc_per_node!r}, launch.nnodes = {launch.nnodes!r}): -1 = the ranks left then")
     else:
         model = None
         if not cfg.model.factory:
