@@ -136,7 +136,8 @@ RULES = [
      "parallel.dp_shard=-1 takes the ranks left, but parallel.tp=3 = 3 does not divide the world size 4"),
     (dict(dp_replicate=1, pp=2), 4,
      "parallel.dp_replicate=1 x parallel.dp_shard=1 x parallel.tp=1 x parallel.pp=2 = 2 does not equal the world size 4; "
-     "e.g. parallel.dp_replicate=2 or parallel.dp_shard=2 or parallel.tp=2 or parallel.pp=4, or set one degree to -1"),
+     "e.g. parallel.dp_replicate=2 or parallel.pp=4, or set one degree to -1"),  # ddp: no dp_shard/tp fixes
+    (dict(**FSDP, pp=2), 4, "e.g. parallel.dp_replicate=2 or parallel.dp_shard=2 or parallel.tp=2 or parallel.pp=4"),
     (dict(**FSDP, tp=4), 4, "parallel.tp=4 does not divide model.n_kv_heads=2; valid: 1, 2"),
     (dict(**FSDP, tp=8), 8, "parallel.tp=8 does not divide model.n_heads=4; valid: 1, 2"),
     (dict(dp_replicate=1, pp=8), 8, "parallel.pp=8 exceeds model.n_layers=4 (a stage needs at least one block); valid: 1, 2, 4"),
@@ -211,7 +212,7 @@ MESSAGES = [
     "over tensor-parallel ranks",
     "stages send plain tensors)",
     "does not divide model.",
-    "(a stage needs at least one block)",
+    "least one block)",
     "would split the shared",
     "does not train correctly with data",
     "interleaves several stages per rank",

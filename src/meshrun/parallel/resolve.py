@@ -189,7 +189,8 @@ def resolve_layout(options: ParallelOptions, world_size: int, model: ModelShape 
     """The layout `options` give on `world_size` ranks, or one ConfigError naming the keys and
     the fix. `model` adds the shape rules (heads vs tp, blocks vs stages, tied embeddings) and
     the pipeline's block split; without it those are left to a later call with the model."""
-    dims = ParallelDims(**stated_degrees(options), world_size=world_size)
+    degrees = rules.resolve_degrees(stated_degrees(options), world_size, strategy=options.strategy)
+    dims = ParallelDims(**degrees, world_size=world_size)
     rules.check_tp_features(dims.tp, dims.pp, options.sequence_parallel, options.loss_parallel)
     shape = model or ModelShape()
     rules.check_model_shape(tp=dims.tp, pp=dims.pp, world_size=world_size, n_heads=shape.n_heads,

@@ -3,11 +3,9 @@
 Pure Python, no torch: config validation, `meshrun plan`, pre-flight and the build all call these
 before any process group exists. Each rule raises one `ConfigError` that names the keys, their
 values and a fix. No other module in src/ raises a layout message of its own (checked by
-tests/unit/test_parallel_resolve.py), so a new parallelism adds its rules here, once.
-
-Pipeline schedules: GPipe (Huang et al., arXiv:1811.06965), 1F1B (PipeDream-Flush, Narayanan et
-al., arXiv:2006.09503), interleaved 1F1B (Megatron-LM, arXiv:2104.04473), zero bubble (Qi et al.,
-arXiv:2401.10241), all run by `torch.distributed.pipelining`.
+tests/unit/test_parallel_resolve.py), so a new parallelism adds its rules here, once. In order:
+single keys, degrees vs world size, TP features, the model's shape, the pipeline plan (its
+schedules, and the papers they come from, are `meshrun.parallel.pipeline`'s).
 """
 
 from __future__ import annotations
@@ -20,8 +18,7 @@ from meshrun.errors import ConfigError
 
 STRATEGIES = ("ddp", "fsdp")
 DEGREES = ("dp_replicate", "dp_shard", "tp", "pp")
-DTYPE_NAMES = ("fp32", "bf16")
-"""The dtype names config keys take; `meshrun.parallel.resolve.torch_dtype` maps them to torch."""
+DTYPE_NAMES = ("fp32", "bf16")  # `meshrun.parallel.resolve.torch_dtype` maps them to torch
 
 # meshrun name -> (torch class name for get_schedule_class, several stages per rank).
 # Left out, measured on torch 2.13 / gloo: ZBVZeroBubble trains right without data parallel but
@@ -40,7 +37,7 @@ ZERO_BUBBLE = ("interleaved_zero_bubble",)
 
 
 def divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+    return [d for d in range(1, n + 1) if n % d == 0]  # small n: world sizes and batch sizes
 
 
 def _listing(values: list[int]) -> str:
@@ -49,12 +46,8 @@ def _listing(values: list[int]) -> str:
 
 def _show(value: Any) -> str:
     """A value as a TOML file or `--set` spells it."""
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    return repr(value)
+    return ("true" if value else "false") if isinstance(value, bool) else repr(value)
 
-
-# -- single keys -------------------------------------------------------------------------------
 
 
 def require(key: str, ok: bool, expected: str, value: Any) -> None:
@@ -82,8 +75,6 @@ def check_world_size(world_size: Any) -> None:
         raise ConfigError(f"world size must be an integer >= 1, got {world_size!r}")
 
 
-# -- degrees -----------------------------------------------------------------------------------
-
 
 def check_rest(degrees: dict[str, int]) -> str | None:
     """The one degree that is -1 (the ranks left), or None; two or more is an error."""
@@ -96,7 +87,6 @@ def check_rest(degrees: dict[str, int]) -> str | None:
 
 def check_strategy(strategy: str, degrees: dict[str, int]) -> None:
     """`ddp` only replicates (whole model, or its pipeline stages): no sharding, no TP."""
-    check_choice("parallel.strategy", strategy, STRATEGIES)
     if strategy == "ddp":
         for name in ("dp_shard", "tp"):
             require(f"parallel.{name}", degrees[name] == 1,
@@ -113,8 +103,9 @@ def strategy_degrees(strategy: str, degrees: dict[str, int]) -> dict[str, int]:
     return out
 
 
-def resolve_degrees(degrees: dict[str, int], world_size: int) -> dict[str, int]:
-    """Check the four degrees against `world_size` and infer the one left at -1."""
+def resolve_degrees(degrees: dict[str, int], world_size: int, *, strategy: str = "fsdp") -> dict[str, int]:
+    """Check the four degrees against `world_size` and infer the one left at -1; the fixes a
+    message proposes are ones `strategy` allows."""
     check_world_size(world_size)
     for name in DEGREES:
         check_degree(name, degrees[name])
@@ -132,7 +123,8 @@ def resolve_degrees(degrees: dict[str, int], world_size: int) -> dict[str, int]:
     product = prod(out[n] for n in DEGREES)
     if product != world_size:
         text = " x ".join(f"parallel.{n}={out[n]}" for n in DEGREES)
-        fits = [f"parallel.{n}={world_size // others}" for n in DEGREES
+        free = [n for n in DEGREES if strategy != "ddp" or n not in ("dp_shard", "tp")]
+        fits = [f"parallel.{n}={world_size // others}" for n in free
                 if world_size % (others := prod(out[m] for m in DEGREES if m != n)) == 0]
         hint = f"e.g. {' or '.join(fits)}, " if fits else ""
         raise ConfigError(f"{text} = {product} does not equal the world size {world_size}; "
@@ -140,14 +132,11 @@ def resolve_degrees(degrees: dict[str, int], world_size: int) -> dict[str, int]:
     return out
 
 
-# -- tensor-parallel features ------------------------------------------------------------------
-
 
 def check_tp_features(tp: int, pp: int, sequence_parallel: bool, loss_parallel: bool) -> None:
     """Sequence and loss parallel split over the tp ranks, and make a stage's output a DTensor,
     which the pipeline's point-to-point sends do not carry. A degree of -1 is not known yet."""
-    on = [key for key, flag in (("sequence_parallel", sequence_parallel), ("loss_parallel", loss_parallel))
-          if flag]
+    on = [key for key, on in (("sequence_parallel", sequence_parallel), ("loss_parallel", loss_parallel)) if on]
     if not on:
         return
     keys = " and ".join(f"parallel.{key}=true" for key in on)
@@ -160,8 +149,6 @@ def check_tp_features(tp: int, pp: int, sequence_parallel: bool, loss_parallel: 
         raise ConfigError(f"{keys} {'does' if one else 'do'} not compose with parallel.pp={pp} (pipeline "
                           f"stages send plain tensors); turn {'it' if one else 'them'} off or set parallel.pp=1")
 
-
-# -- the model's shape -------------------------------------------------------------------------
 
 
 def model_shape_of(args: Any) -> dict[str, Any]:
@@ -178,13 +165,12 @@ def check_stages(pp: int, n_layers: int | None, world_size: int, stages_per_rank
     num_stages = pp * stages_per_rank
     if n_layers is None or num_stages <= n_layers:
         return
-    if stages_per_rank == 1:
-        valid = [d for d in divisors(world_size) if d <= n_layers]
-        raise ConfigError(f"parallel.pp={pp} exceeds model.n_layers={n_layers} (a stage needs at least "
-                          f"one block); valid: {_listing(valid)}")
-    raise ConfigError(f"parallel.pp={pp} x {stages_per_rank} stages per rank = {num_stages} stages "
-                      f"exceeds model.n_layers={n_layers} (a stage needs at least one block); "
-                      f"use at most {n_layers} stages")
+    single = stages_per_rank == 1
+    what = "" if single else f" x {stages_per_rank} stages per rank = {num_stages} stages"
+    fix = (f"valid: {_listing([d for d in divisors(world_size) if d <= n_layers])}" if single
+           else f"use at most {n_layers} stages")
+    raise ConfigError(f"parallel.pp={pp}{what} exceeds model.n_layers={n_layers} (a stage needs at "
+                      f"least one block); {fix}")
 
 
 def check_tied_pipeline(tie_embeddings: bool | None) -> None:
@@ -219,11 +205,9 @@ def check_model_shape(*, tp: int, pp: int, world_size: int, n_heads: int | None 
 
 
 def model_fits(*, tp: int, pp: int, n_heads: int, n_kv_heads: int, n_layers: int) -> bool:
-    """`check_model_shape`'s head and stage rules as a test (for enumerating layouts)."""
+    """`check_model_shape`'s head and stage rules as a test (`meshrun plan` lists layouts)."""
     return _heads_problem(tp, tp, n_heads, n_kv_heads) is None and pp <= n_layers
 
-
-# -- pipeline ----------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
