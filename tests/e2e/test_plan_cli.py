@@ -30,6 +30,15 @@ def test_plan_table_and_recommendation(run):
     assert '[parallel]\nstrategy = "fsdp"\ndp_replicate = 1\ndp_shard = 4\ntp = 1\npp = 1' in out
 
 
+def test_plan_places_the_configs_resolved_layout_in_the_table(run):
+    code, out, err = run("--model", "tiny", "--world", "4", "--set", "parallel.strategy=fsdp")
+    assert code == 0, err
+    assert "config [parallel] on 4 ranks: fsdp: dp_shard 4 (world 4); params fp32, reduce fp32 (row 1)" in out
+    code, out, err = run("--model", "tiny", "--world", "4", "--set", "parallel.strategy=fsdp", "--set", "parallel.tp=4")
+    assert code == 0, err  # the table is still useful: it shows what would fit
+    assert "config [parallel] on 4 ranks: refused (parallel.tp=4 does not divide model.n_kv_heads=2" in out
+
+
 def test_plan_reads_config(run, tmp_path):
     config = tmp_path / "job.toml"
     config.write_text('[model]\nname = "small"\n[train]\nbatch_size = 2\n[data]\nseq_len = 64\n')

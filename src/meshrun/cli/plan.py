@@ -123,6 +123,21 @@ def _world_for_show(cfg, world: int | None) -> int:
     return prod(degrees.values())
 
 
+def _config_line(cfg, plan: Plan, args, world: int, batch: int) -> str:
+    """Where the config's own [parallel] layout, resolved for `world`, sits in the table."""
+    from meshrun.errors import MeshrunError
+    from meshrun.parallel.resolve import ModelShape, ParallelOptions, resolve_layout
+
+    options = replace(ParallelOptions.from_config(cfg), batch_size=batch)
+    try:
+        layout = resolve_layout(options, world, ModelShape.from_args(args))
+    except MeshrunError as err:
+        return f"config [parallel] on {world} ranks: refused ({err})"
+    degrees = layout.dims.degrees
+    row = next((i for i, e in enumerate(plan.ranked, 1) if e.dims.degrees == degrees), None)
+    return f"config [parallel] on {world} ranks: {layout.describe()}" + (f" (row {row})" if row else "")
+
+
 def main(argv: list[str]) -> int:
     from meshrun.config import load_config
     from meshrun.models.factory import model_args_from_config
@@ -162,6 +177,7 @@ def main(argv: list[str]) -> int:
           + (f"   device memory: {a.device_memory:g} GiB" if limit else ""))
     print(f"GiB per rank, {len(plan.ranked)} layouts, best first:")
     print(format_table(plan, a.top))
+    print(_config_line(cfg, plan, args, a.world, batch))
     best = plan.recommended
     if best.fits is False:
         smallest = min(plan.ranked, key=lambda e: e.total)
