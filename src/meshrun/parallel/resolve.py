@@ -22,10 +22,8 @@ from meshrun.parallel import rules
 from meshrun.parallel.dims import ParallelDims
 from meshrun.parallel.rules import DEGREES, DTYPE_NAMES, SCHEDULES, STRATEGIES, PipelinePlan
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # no meshrun.config import, not even here: config imports this module
     import torch
-
-    from meshrun.config import JobConfig
 
 __all__ = [
     "DTYPE_NAMES", "SCHEDULES", "STRATEGIES", "Layout", "ModelShape", "ParallelOptions",
@@ -82,7 +80,8 @@ class ParallelOptions:
         return cls(**values)
 
     @classmethod
-    def from_config(cls, cfg: JobConfig) -> ParallelOptions:
+    def from_config(cls, cfg: Any) -> ParallelOptions:
+        """From a `meshrun.config.JobConfig`: its `[parallel]` and `[train]` sections."""
         return cls.from_sections(cfg.parallel, cfg.train)
 
     @property
