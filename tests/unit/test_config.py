@@ -407,7 +407,11 @@ def test_config_show_without_a_fixed_world_applies_only_the_strategy(capsys):
 def test_config_show_refuses_a_layout_train_would_refuse(capsys):
     from meshrun.cli import config as config_cli
 
-    msg = error_of(config_cli.main, ["show", "--set", "parallel.strategy=fsdp", "--set", "parallel.tp=4",
+    msg = error_of(config_cli.main, ["show", "--set", "parallel.strategy=fsdp", "--set", "parallel.tp=3",
                                      "--set", "launch.nproc_per_node=4"])
-    assert msg == "parallel.tp=4 does not divide model.n_kv_heads=2; valid: 1, 2"
+    assert msg.startswith("parallel.dp_shard=-1 takes the ranks left, but parallel.tp=3 = 3 does not divide "
+                          "the world size 4")
+    msg = error_of(config_cli.main, ["show", "--set", "parallel.pp=2", "--set", "parallel.pp_microbatches=3",
+                                     "--set", "launch.nproc_per_node=2"])
+    assert msg.startswith("parallel.pp_microbatches=3 does not divide train.batch_size=16")
 

@@ -1,8 +1,9 @@
 """`meshrun config show [CONFIG.toml] [--set section.key=value ...]`: the fully resolved config.
 
 The `[parallel]` degrees are shown resolved (`meshrun.parallel.resolve`): with a fixed world size
-in `[launch]` (a number of processes and of nodes) the ranks left are counted, and the layout is
-checked as `meshrun train` would; otherwise only the strategy's default is applied.
+in `[launch]` (a number of processes and of nodes) the ranks left are counted and the layout is
+checked as `meshrun train` would, except against the model's heads and blocks (that needs torch:
+`meshrun plan --show` does it); otherwise only the strategy's default is applied.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from meshrun.config import JobConfig, describe, load_config
 
 def resolved(cfg: JobConfig) -> tuple[JobConfig, tuple[str, ...]]:
     """`cfg` with its parallel degrees resolved, and a note saying for which world size."""
-    from meshrun.parallel.resolve import ModelShape, ParallelOptions, resolve_layout, stated_degrees
+    from meshrun.parallel.resolve import ParallelOptions, resolve_layout, stated_degrees
     from meshrun.train.preflight import fixed_world_size
 
     options = ParallelOptions.from_config(cfg)
@@ -25,13 +26,8 @@ def resolved(cfg: JobConfig) -> tuple[JobConfig, tuple[str, ...]]:
         degrees = stated_degrees(options)
         note = (f"[parallel] the world size is known only at launch (launch.nproc_per_node = "
                 f"{launch.nproc_per_node!r}, launch.nnodes = {launch.nnodes!r}): -1 = the ranks left then")
-    else:
-        model = None
-        if not cfg.model.factory:
-            from meshrun.models.factory import model_args_from_config
-
-            model = ModelShape.from_args(model_args_from_config(cfg.model))
-        layout = resolve_layout(options, world, model)
+    else:  # no model shape: it needs torch (seconds); `meshrun train` and `meshrun plan` check it
+        layout = resolve_layout(options, world)
         degrees = layout.dims.degrees
         note = (f"[parallel] resolved for world size {world} (launch.nproc_per_node = "
                 f"{launch.nproc_per_node} x launch.nnodes = {launch.nnodes}): {layout.describe()}")
