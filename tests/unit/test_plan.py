@@ -165,3 +165,26 @@ def test_errors():
     with pytest.raises(ConfigError, match="parallel.tp=4 does not divide"):
         placements(get_size("tiny"), _dims(tp=4))
     assert estimate(get_size("8b"), _dims(dp_shard=8), batch_size=1, seq_len=8192).total > GIB
+
+
+def test_layouts_are_the_ones_the_resolver_accepts():
+    """The table lists exactly the layouts `resolve_layout` accepts for the model."""
+    import itertools
+
+    from meshrun.parallel.resolve import ModelShape, ParallelOptions, resolve_layout
+
+    world = 8
+    every = [d for d in itertools.product((1, 2, 4, 8), repeat=4) if d[0] * d[1] * d[2] * d[3] == world]
+    for name in ("tiny", "1b"):  # 1b ties its embeddings: no pipeline
+        args = get_size(name)
+        accepted = set()
+        for rep, shard, tp, pp in every:
+            options = ParallelOptions(strategy="fsdp", dp_replicate=rep, dp_shard=shard, tp=tp, pp=pp, batch_size=8)
+            try:
+                resolve_layout(options, world, ModelShape.from_args(args))
+            except ConfigError:
+                continue
+            accepted.add((rep, shard, tp, pp))
+        assert {tuple(d.degrees.values()) for d in layouts(args, world)} == accepted, name
+    assert any(d.pp > 1 for d in layouts(get_size("tiny"), 4))
+    assert not any(d.pp > 1 for d in layouts(get_size("1b"), 4))

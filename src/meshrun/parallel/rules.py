@@ -19,6 +19,7 @@ from meshrun.errors import ConfigError
 STRATEGIES = ("ddp", "fsdp")
 DEGREES = ("dp_replicate", "dp_shard", "tp", "pp")
 DTYPE_NAMES = ("fp32", "bf16")  # `meshrun.parallel.resolve.torch_dtype` maps them to torch
+MODEL_KEYS = ("n_heads", "n_kv_heads", "n_layers", "tie_embeddings")  # what the rules read of a model
 
 # meshrun name -> (torch class name for get_schedule_class, several stages per rank).
 # Left out, measured on torch 2.13 / gloo: ZBVZeroBubble trains right without data parallel but
@@ -44,8 +45,7 @@ def _listing(values: list[int]) -> str:
     return ", ".join(str(v) for v in values) if values else "none"
 
 
-def _show(value: Any) -> str:
-    """A value as a TOML file or `--set` spells it."""
+def _show(value: Any) -> str:  # as a TOML file or `--set` spells it
     return ("true" if value else "false") if isinstance(value, bool) else repr(value)
 
 
@@ -154,10 +154,8 @@ def check_tp_features(tp: int, pp: int, sequence_parallel: bool, loss_parallel: 
 def model_shape_of(args: Any) -> dict[str, Any]:
     """n_heads, n_kv_heads (n_heads when unset), n_layers, tie_embeddings of an args object;
     None for what it does not say (a user model)."""
-    n_heads = getattr(args, "n_heads", None)
-    return dict(n_heads=n_heads, n_kv_heads=getattr(args, "n_kv_heads", None) or n_heads,
-                n_layers=getattr(args, "n_layers", None),
-                tie_embeddings=getattr(args, "tie_embeddings", None))
+    n_heads, n_kv_heads, n_layers, tied = (getattr(args, key, None) for key in MODEL_KEYS)
+    return dict(n_heads=n_heads, n_kv_heads=n_kv_heads or n_heads, n_layers=n_layers, tie_embeddings=tied)
 
 
 def check_stages(pp: int, n_layers: int | None, world_size: int, stages_per_rank: int = 1) -> None:
@@ -204,9 +202,11 @@ def check_model_shape(*, tp: int, pp: int, world_size: int, n_heads: int | None 
         check_tied_pipeline(tie_embeddings)
 
 
-def model_fits(*, tp: int, pp: int, n_heads: int, n_kv_heads: int, n_layers: int) -> bool:
-    """`check_model_shape`'s head and stage rules as a test (`meshrun plan` lists layouts)."""
-    return _heads_problem(tp, tp, n_heads, n_kv_heads) is None and pp <= n_layers
+def model_fits(*, tp: int, pp: int, n_heads: int, n_kv_heads: int, n_layers: int,
+               tie_embeddings: bool = False) -> bool:
+    """`check_model_shape` as a test (`meshrun plan` lists the layouts that pass)."""
+    return (_heads_problem(tp, tp, n_heads, n_kv_heads) is None and pp <= n_layers
+            and not (pp > 1 and tie_embeddings))
 
 
 

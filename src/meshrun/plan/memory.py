@@ -101,15 +101,17 @@ def estimate(args: ModelArgs, dims: ParallelDims, *, batch_size: int, seq_len: i
 
 
 def layouts(args: ModelArgs, world_size: int) -> list[ParallelDims]:
-    """Every (dp_replicate, dp_shard, tp, pp) with product world_size, tp dividing n_heads and
-    n_kv_heads, and pp <= n_layers."""
+    """Every (dp_replicate, dp_shard, tp, pp) with product world_size that the layout rules accept
+    for `args` (`rules.model_fits`: tp divides n_heads and n_kv_heads, pp <= n_layers, no pp with
+    tied embeddings)."""
     check_world_size(world_size)
     found = divisors(world_size)
     out = []
     for pp in found:
         for tp in found:
             if (world_size // pp) % tp or not model_fits(tp=tp, pp=pp, n_heads=args.n_heads,
-                                                         n_kv_heads=args.n_kv_heads, n_layers=args.n_layers):
+                                                         n_kv_heads=args.n_kv_heads, n_layers=args.n_layers,
+                                                         tie_embeddings=args.tie_embeddings):
                 continue
             rest = world_size // (pp * tp)
             for dp_shard in (d for d in found if rest % d == 0):
