@@ -4,8 +4,9 @@
     meshrun plan examples/configs/tiny.toml --world 4        # model, batch, seq_len, dtype from it
     meshrun plan --show examples/configs/tiny.toml --world 4 --set parallel.tp=2 --set parallel.dp_shard=2
 
-The estimate and its formula live in `meshrun.plan.memory`, the placement rules in
-`meshrun.plan.show`; this module parses arguments and formats.
+The estimate lives in `meshrun.plan.memory` (state, ranking) and `meshrun.plan.activations`, the
+placement rules in `meshrun.plan.show`, the layout rules in `meshrun.parallel.resolve`; this
+module parses arguments and formats.
 """
 
 from __future__ import annotations
