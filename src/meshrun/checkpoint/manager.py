@@ -39,7 +39,7 @@ from meshrun.checkpoint.state import (
     train_state,
 )
 from meshrun.checkpoint.verify import check_fits
-from meshrun.runtime.session import DistEnv
+from meshrun.runtime.process import DistEnv
 from meshrun.train.state import TrainState
 
 logger = logging.getLogger(__name__)
