@@ -16,8 +16,8 @@ import pytest
 SRC = Path(__file__).resolve().parents[2] / "src"
 PACKAGE = SRC / "meshrun"
 MAX_LINES = 300
-# Being split by other helpers of issue 11 in parallel: reported (xfail) instead of failing until
-# their branches are merged; then this set must be emptied, which makes the test strict.
+# Being split in parallel branches: reported (xfail) instead of failing until those are merged;
+# then this set must be emptied, which makes the test strict.
 PENDING_SPLITS = {"meshrun/models/llama.py", "meshrun/launch/preflight.py", "meshrun/plan/memory.py"}
 
 # What `import meshrun` might touch: compared before and after the import in a fresh interpreter.
@@ -186,5 +186,5 @@ def test_no_module_over_300_lines():
     unexpected = {path: n for path, n in over.items() if path not in PENDING_SPLITS}
     assert not unexpected, f"modules over {MAX_LINES} lines (split them by responsibility): {unexpected}"
     pending = {path: n for path, n in over.items() if path in PENDING_SPLITS}
-    if pending:  # being split in another branch of issue 11; the lead makes this strict after merging
+    if pending:  # being split in another branch; empty PENDING_SPLITS once it is merged
         pytest.xfail(f"still over {MAX_LINES} lines until merged: {pending}")
