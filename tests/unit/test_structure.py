@@ -45,18 +45,24 @@ before = snapshot()
 import meshrun
 for name in meshrun.__all__:  # the lazy attributes too: resolving them imports their modules
     getattr(meshrun, name)
+if sys.argv[1] == "every-module":
+    import importlib, pkgutil
+    for info in pkgutil.walk_packages(meshrun.__path__, "meshrun."):
+        if not info.name.endswith("__main__"):
+            importlib.import_module(info.name)
 after = snapshot()
 print(json.dumps({"before": before, "after": after}))
 """
 
 
-@pytest.mark.parametrize("launched", [False, True], ids=["plain-python", "debug-worker"])
-def test_import_meshrun_changes_no_hook_signal_collective_or_thread(launched):
+@pytest.mark.parametrize("case", ["plain-python", "debug-worker", "every-module"])
+def test_import_meshrun_changes_no_hook_signal_collective_or_thread(case):
     env = {"PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"}  # no RANK/WORLD_SIZE: as under plain python
-    if launched:  # a `meshrun launch --debug collectives` worker's env: still nothing until init()
+    if case != "plain-python":  # a `meshrun launch --debug collectives` worker's env: still nothing until init()
         env.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29500",
                    TORCHELASTIC_RUN_ID="probe", MESHRUN_DEBUG="collectives", MESHRUN_HANG_TIMEOUT="60")
-    done = subprocess.run([sys.executable, "-c", _PROBE], capture_output=True, text=True, timeout=120, env=env)
+    done = subprocess.run([sys.executable, "-c", _PROBE, case], capture_output=True, text=True, timeout=180,
+                          env=env)
     assert done.returncode == 0, done.stderr
     seen = json.loads(done.stdout.strip().splitlines()[-1])
     changed = {key: (seen["before"][key], seen["after"][key])
