@@ -178,12 +178,16 @@ def test_no_import_cycle_among_meshrun_modules():
     assert not cycles, "import cycles (module-level imports): " + "; ".join(" <-> ".join(c) for c in cycles)
 
 
-def test_checkpoint_does_not_import_the_training_loop():
-    """checkpoint sits below train on the data path: its modules never import meshrun.train."""
-    graph = import_graph()
-    up = {name: sorted(d for d in deps if d.startswith("meshrun.train"))
-          for name, deps in graph.items() if name.startswith("meshrun.checkpoint")}
-    assert not {k: v for k, v in up.items() if v}
+def test_checkpoint_imports_neither_the_training_loop_nor_the_models():
+    """checkpoint sits below train and models on the data path: none of its imports, even lazy ones, go up."""
+    upward = ("meshrun.train", "meshrun.models")
+    found = {}
+    for path in (PACKAGE / "checkpoint").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names = ([alias.name for alias in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            found.update({f"{path.name}:{node.lineno}": n for n in names if n.startswith(upward)})
+    assert not found, f"checkpoint imports up the data path: {found}"
 
 
 def test_no_module_over_300_lines():
