@@ -108,3 +108,28 @@ def init_installs_and_shutdown_takes_back():
 def test_init_installs_hooks_and_debug_wrappers_and_shutdown_takes_them_back():
     results = run_distributed(init_installs_and_shutdown_takes_back, world_size=2, timeout=90, init=False)
     assert results == [(2, 2.0, [True] * 7, True, [True] * 7, True, True)] * 2
+
+
+PLAIN_PYTHON = """
+import sys, meshrun
+env = meshrun.init()
+during = sys.excepthook.__module__
+meshrun.shutdown()
+after = getattr(sys.excepthook, "__module__", "")
+print(during, after.startswith("meshrun"), meshrun.current() is None, env.world_size, env.rank)
+"""
+
+
+def test_plain_python_init_installs_its_excepthook_and_shutdown_removes_it(tmp_path):
+    import subprocess
+    import sys
+
+    script = tmp_path / "plain.py"
+    script.write_text(PLAIN_PYTHON)
+    env = {"PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"}  # no launcher variables
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["meshrun.runtime.session", "False", "True", "1", "0"]
+    (notice,) = done.stderr.strip().splitlines()
+    assert "single process" in notice and "run: meshrun launch --nproc-per-node" in notice
+    assert notice.endswith(str(script))
