@@ -8,21 +8,19 @@ Worker scripts call::
     meshrun.shutdown()            # optional: also runs at exit, cleanly
 
 and are started with ``meshrun launch --nproc-per-node 4 script.py``.
-Imports are lazy so that ``meshrun launch`` workers start as fast as under torchrun.
+Imports are lazy so that ``meshrun launch`` workers start as fast as under torchrun, and importing
+meshrun changes nothing in the process: no hook, no patch, no thread. What meshrun installs,
+``meshrun.init()`` installs and ``meshrun.shutdown()`` removes.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from meshrun.launch.plain_python import install_excepthook as _install_excepthook
-
 __version__ = "0.1.0"
 
-_install_excepthook()  # plain `python train.py` on a torchrun-style script: end with the launch command
-
 __all__ = [
-    "DistEnv", "MeshrunError", "init", "shutdown", "current", "print0",
+    "DistEnv", "Runtime", "MeshrunError", "init", "shutdown", "current", "print0",
     "prepare", "prepare_model", "prepare_dataloader", "__version__",
     "heartbeat", "check_dataloader", "check_optimizer",
 ]
@@ -31,12 +29,13 @@ if TYPE_CHECKING:
     from meshrun.api import prepare, prepare_dataloader, prepare_model
     from meshrun.debug.data_check import check_dataloader
     from meshrun.debug.optim_check import check_optimizer
-    from meshrun.debug.progress import heartbeat
     from meshrun.errors import MeshrunError
-    from meshrun.runtime.session import DistEnv, current, init, print0, shutdown
+    from meshrun.runtime.process import DistEnv, Runtime, heartbeat
+    from meshrun.runtime.session import current, init, print0, shutdown
 
 _LAZY = {
-    "DistEnv": "meshrun.runtime.session",
+    "DistEnv": "meshrun.runtime.process",
+    "Runtime": "meshrun.runtime.process",
     "init": "meshrun.runtime.session",
     "shutdown": "meshrun.runtime.session",
     "current": "meshrun.runtime.session",
@@ -45,7 +44,7 @@ _LAZY = {
     "prepare": "meshrun.api",
     "prepare_model": "meshrun.api",
     "prepare_dataloader": "meshrun.api",
-    "heartbeat": "meshrun.debug.progress",
+    "heartbeat": "meshrun.runtime.process",
     "check_dataloader": "meshrun.debug.data_check",
     "check_optimizer": "meshrun.debug.optim_check",
 }

@@ -19,10 +19,11 @@ from meshrun.data.sampler import ResumableDistributedSampler
 from meshrun.debug.optim_check import check_optimizer
 from meshrun.errors import MeshrunError
 from meshrun.parallel.ddp import apply_ddp
-from meshrun.runtime.session import DistEnv, current, init
+from meshrun.runtime.process import Runtime
+from meshrun.runtime.session import current, init
 
 
-def _env() -> DistEnv:
+def _env() -> Runtime:
     return current() or init()
 
 

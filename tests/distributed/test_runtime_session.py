@@ -70,3 +70,66 @@ def test_failing_rank_is_reported_and_peers_are_released_quickly():
         run_distributed(failing_rank_does_not_wait_for_peers, world_size=2, timeout=90, init=False)
     assert info.value.rank == 1 and "rank 1 fails" in str(info.value)
     assert time.monotonic() - start < 45  # not the 30-minute gloo timeout, nor a barrier's wait
+
+
+def init_installs_and_shutdown_takes_back():
+    import os
+    import sys
+    import threading
+
+    import torch.distributed.distributed_c10d as c10d
+    from torch.optim import optimizer as opt
+
+    # What `meshrun launch --debug collectives --hang-timeout 60` sets for its workers.
+    os.environ.update(MESHRUN_DEBUG="collectives", MESHRUN_HANG_TIMEOUT="60",
+                      TORCHELASTIC_RUN_ID=os.environ.get("TORCHELASTIC_RUN_ID", "session-test"))
+
+    def state():  # torch's init_process_group chains an excepthook of its own: look for meshrun's
+        return [getattr(sys.excepthook, "__module__", "").startswith("meshrun"), dist.all_reduce, c10d.all_reduce, dist.broadcast, c10d.barrier,
+                len(opt._global_optimizer_pre_hooks), len(opt._global_optimizer_post_hooks)]
+
+    before = state()
+    env = meshrun.init()
+    during = state()
+    x = torch.ones(1)
+    dist.all_reduce(x)  # the first collective starts the watchdog
+    watching = any(t.name == "meshrun-hang-watchdog" for t in threading.enumerate())
+    meshrun.shutdown()
+    after = state()
+    deadline = time.monotonic() + 5
+    while any(t.name == "meshrun-hang-watchdog" for t in threading.enumerate()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    stopped = not any(t.name == "meshrun-hang-watchdog" for t in threading.enumerate())
+    changed = [a != b for a, b in zip(before, during, strict=True)]  # functions compare by identity
+    restored = [a == b for a, b in zip(before, after, strict=True)]
+    return env.world_size, x.item(), changed, watching, restored, stopped, meshrun.current() is None
+
+
+def test_init_installs_hooks_and_debug_wrappers_and_shutdown_takes_them_back():
+    results = run_distributed(init_installs_and_shutdown_takes_back, world_size=2, timeout=90, init=False)
+    assert results == [(2, 2.0, [True] * 7, True, [True] * 7, True, True)] * 2
+
+
+PLAIN_PYTHON = """
+import sys, meshrun
+env = meshrun.init()
+during = sys.excepthook.__module__
+meshrun.shutdown()
+after = getattr(sys.excepthook, "__module__", "")
+print(during, after.startswith("meshrun"), meshrun.current() is None, env.world_size, env.rank)
+"""
+
+
+def test_plain_python_init_installs_its_excepthook_and_shutdown_removes_it(tmp_path):
+    import subprocess
+    import sys
+
+    script = tmp_path / "plain.py"
+    script.write_text(PLAIN_PYTHON)
+    env = {"PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"}  # no launcher variables
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["meshrun.runtime.session", "False", "True", "1", "0"]
+    (notice,) = done.stderr.strip().splitlines()
+    assert "single process" in notice and "run: meshrun launch --nproc-per-node" in notice
+    assert notice.endswith(str(script))

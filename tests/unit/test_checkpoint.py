@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
@@ -111,10 +113,7 @@ def test_ckpt_list_inspect_and_export_cli(tmp_path, capsys):
     ],
 )
 def test_which_checkpoint_resume_picks(tmp_path, monkeypatch, resume, restart, chosen, abandoned):
-    from types import SimpleNamespace
-
-    from meshrun.checkpoint.manager import Checkpointer
-    from meshrun.config import CheckpointSection
+    from meshrun.checkpoint import selection
 
     root = tmp_path / "checkpoints"
     for step in (5, 10, 15, 20):
@@ -124,15 +123,62 @@ def test_which_checkpoint_resume_picks(tmp_path, monkeypatch, resume, restart, c
         mf.write_manifest(ckpt, step=step)
     (root / "step-00000020" / "__0_0.distcp").write_bytes(b"y" * 20)  # same size, other bytes
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", restart)
-    cfg = CheckpointSection(resume=str(root / "step-00000005") if resume == "PATH" else resume)
-    env = SimpleNamespace(rank=0, world_size=1, is_main=True, device=torch.device("cpu"))
-    checkpointer = Checkpointer(cfg, run_dir=tmp_path, env=env, layout={})
-    try:
-        found = checkpointer._choose()
-    finally:
-        checkpointer.close()
+    found = selection.choose(root, str(root / "step-00000005") if resume == "PATH" else resume, session=7)
     assert (found.name if found else None) == chosen
     assert sorted(p.name.split(".")[0] for p in root.glob("*.abandoned-*")) == abandoned
+
+
+def _checkpointer(tmp_path):
+    from meshrun.checkpoint.manager import Checkpointer
+    from meshrun.config import CheckpointSection
+
+    env = SimpleNamespace(rank=0, world_size=1, is_main=True, device=torch.device("cpu"))
+    return Checkpointer(CheckpointSection(), run_dir=tmp_path, env=env, layout={})
+
+
+def test_signal_handlers_are_put_back_on_every_exit_path(tmp_path):
+    import signal
+
+    def handlers():
+        return [signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)]
+
+    before = handlers()
+    with pytest.raises(RuntimeError, match="the loop failed"), _checkpointer(tmp_path) as ckpt:
+        assert handlers() != before  # held while training
+        raise RuntimeError("the loop failed")
+    assert handlers() == before
+    ckpt = _checkpointer(tmp_path)
+    ckpt.close()
+    ckpt.close()  # twice is fine
+    assert handlers() == before
+
+
+def test_a_preemption_saves_and_puts_the_handlers_back(tmp_path, monkeypatch):
+    import signal
+
+    from meshrun.checkpoint import Preempted
+    from meshrun.checkpoint.preemption import PREEMPTED_FILE
+
+    before = signal.getsignal(signal.SIGTERM)
+    ckpt = _checkpointer(tmp_path)
+    saved = []
+    monkeypatch.setattr(ckpt, "save", lambda state, blocking: saved.append((state.step, blocking)))
+    ckpt.samples = SimpleLog()
+    ckpt.root.mkdir(parents=True)
+    signal.raise_signal(signal.SIGTERM)  # noted by the handler, acted on at the step boundary
+    state = SimpleNamespace(step=3)
+    with pytest.raises(Preempted, match="SIGTERM at step 3"):
+        ckpt.step_done(state)
+    assert saved == [(3, True)] and (ckpt.root / PREEMPTED_FILE).is_file()
+    assert signal.getsignal(signal.SIGTERM) == before
+
+
+class SimpleLog:
+    def begin_step(self) -> None:
+        pass
+
+    def end_step(self, step: int) -> None:
+        pass
 
 
 def test_an_unnamed_rerun_continues_only_its_unfinished_run(tmp_path):

@@ -146,20 +146,51 @@ def test_diagnose_refuses_a_directory_without_logs(tmp_path):
         diagnose(str(tmp_path))
 
 
-def test_collective_timeout_follows_the_hierarchy(monkeypatch):
+def test_collective_timeout_follows_the_hierarchy():
     from datetime import timedelta
 
-    from meshrun.debug import hooks
+    from meshrun.debug.hooks import DebugHooks
+    from meshrun.debug.progress import Progress
 
-    monkeypatch.setattr(hooks, "_settings", DebugSettings(300.0, frozenset(), explicit=True))
+    hooks = DebugHooks(DebugSettings(300.0, frozenset(), explicit=True), Progress())
     assert hooks.collective_timeout(None) == timedelta(seconds=600)
     with pytest.raises(LaunchError, match="not above --hang-timeout"):
         hooks.collective_timeout(timedelta(seconds=60))
-    monkeypatch.setattr(hooks, "_settings", DebugSettings(300.0, frozenset(), explicit=False))
+    hooks = DebugHooks(DebugSettings(300.0, frozenset(), explicit=False), Progress())
     assert hooks.collective_timeout(timedelta(seconds=60)) == timedelta(seconds=60)
-    assert hooks.settings().hang_timeout_s == 30  # the default watchdog halves a shorter user timeout
-    monkeypatch.setattr(hooks, "_settings", DebugSettings(0.0, frozenset()))
+    assert hooks.settings.hang_timeout_s == 30  # the default watchdog halves a shorter user timeout
+    hooks = DebugHooks(DebugSettings(0.0, frozenset()), Progress())
     assert hooks.collective_timeout(None) is None  # off: torch's own default
+    assert not hooks.installed
+
+
+def test_collective_wrappers_exist_only_between_install_and_shutdown():
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
+    from torch.optim import optimizer as opt
+
+    from meshrun.debug.hooks import DebugHooks
+    from meshrun.debug.progress import Progress
+
+    def state():
+        return (dist.all_reduce, c10d.all_reduce, dist.broadcast_object_list, c10d.barrier,
+                len(opt._global_optimizer_pre_hooks), len(opt._global_optimizer_post_hooks))
+
+    before = state()
+    progress = Progress()
+    hooks = DebugHooks(DebugSettings(60.0, frozenset({"collectives"})), progress)
+    hooks.install()
+    during = state()
+    assert all(a is not b for a, b in zip(before[:4], during[:4], strict=True))  # every collective wrapped
+    assert during[4:] == (before[4] + 1, before[5] + 1)  # the first-step check, the progress counter
+    assert dist.all_reduce.__meshrun_wrapped__ is before[0]
+    torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1).step()
+    assert progress.count == 1  # an optimizer step is progress
+    hooks.shutdown()
+    assert state() == before
+    hooks.shutdown()  # twice is fine
+    assert state() == before
 
 
 @pytest.mark.parametrize(("message", "kind"), [

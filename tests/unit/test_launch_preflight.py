@@ -256,7 +256,9 @@ def test_explains_missing_env_key_with_the_command(monkeypatch):
     exc = _raised(lambda: int(os.environ["LOCAL_RANK"]))
     line = plain_python.explain_missing_launcher_env(exc, argv=["train.py", "--lr", "3e-4"])
     assert line.startswith("meshrun: LOCAL_RANK is not set")
-    n = plain_python.default_nproc()
+    from meshrun.launch.args import auto_nproc_per_node
+
+    n = auto_nproc_per_node()  # what `--nproc-per-node auto` picks
     assert line.endswith(f"run: meshrun launch --nproc-per-node {n} train.py --lr 3e-4")
 
 
@@ -277,29 +279,6 @@ def test_other_errors_are_left_alone(exc):
 def test_launch_command_quotes_arguments():
     cmd = plain_python.launch_command(["my train.py", "--name", "a b"], nproc=2)
     assert cmd == "meshrun launch --nproc-per-node 2 'my train.py' --name 'a b'"
-
-
-def test_default_nproc_matches_auto_on_cpu():
-    from meshrun.launch.args import auto_nproc_per_node
-
-    assert plain_python.default_nproc() == auto_nproc_per_node()
-
-
-def test_hook_only_without_launcher_env(monkeypatch, capsys):
-    seen = []
-    monkeypatch.setattr(sys, "excepthook", lambda *a: seen.append(a[0]))
-    monkeypatch.setattr(plain_python, "_installed", False)
-    monkeypatch.setenv("RANK", "0")
-    plain_python.install_excepthook()
-    assert not plain_python._installed  # a launched worker: nothing installed
-    monkeypatch.delenv("RANK")
-    monkeypatch.delenv("WORLD_SIZE", raising=False)
-    monkeypatch.delitem(sys.modules, "meshrun.cli", raising=False)
-    plain_python.install_excepthook()
-    exc = KeyError("RANK")
-    sys.excepthook(KeyError, exc, None)
-    assert seen == [KeyError]  # chained to the previous hook
-    assert "meshrun: RANK is not set" in capsys.readouterr().err
 
 
 def test_remote_endpoint_answering_as_something_else_only_warns(monkeypatch, caplog):

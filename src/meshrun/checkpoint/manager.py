@@ -1,11 +1,14 @@
 """Periodic, preemption and final checkpoints of a training run, and resuming from the latest valid one.
 
-    checkpointer = Checkpointer(cfg.checkpoint, run_dir=run_dir, env=env, layout={"strategy": "fsdp", ...})
-    checkpointer.resume(state)               # before the loop: latest valid checkpoint, if any
-    for step in ...:
-        ...
-        checkpointer.step_done(state)        # every `interval` steps; on SIGTERM/SIGINT: save, raise Preempted
-    checkpointer.finish(state)               # a final checkpoint, waits for a background write
+    with Checkpointer(cfg.checkpoint, run_dir=run_dir, env=env, layout={"strategy": "fsdp", ...}) as ckpt:
+        ckpt.resume(state)                   # before the loop: latest valid checkpoint, if any
+        for step in ...:
+            ...
+            ckpt.step_done(state)            # every `interval` steps; on SIGTERM/SIGINT: save, raise Preempted
+        ckpt.finish(state)                   # a final checkpoint, waits for a background write
+
+While open, a Checkpointer holds SIGTERM/SIGINT (preemption.py); closing it, by any path, puts
+the previous handlers back. Which checkpoint to resume from is selection.py's choice.
 
 A save goes to `step-N.tmp-<session>`; after `dcp.save` returns on rank 0 every rank has written
 (DCP's finish step gathers all ranks' write results), so rank 0 then writes the manifest, renames
@@ -14,12 +17,10 @@ the directory to `step-N` and moves `latest`. A crash before that leaves only a 
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import shutil
 import signal
-import sys
 import time
 from pathlib import Path
 
@@ -29,8 +30,11 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 from meshrun.checkpoint import manifest as mf
+from meshrun.checkpoint import selection
+from meshrun.checkpoint.preemption import Preempted, PreemptionSignals, write_marker
 from meshrun.checkpoint.samples import SampleLog
 from meshrun.checkpoint.state import (
+    TrainState,
     apply_tensor_state,
     apply_train_state,
     rng_state,
@@ -39,23 +43,14 @@ from meshrun.checkpoint.state import (
     train_state,
 )
 from meshrun.checkpoint.verify import check_fits
-from meshrun.runtime.session import DistEnv
-from meshrun.train.state import TrainState
+from meshrun.runtime import process
+from meshrun.runtime.process import DistEnv
 
 logger = logging.getLogger(__name__)
 
-PREEMPTED_FILE = "preempted.json"
 # Test hook: "ckpt_write:STEP" makes the last rank die (SIGKILL) in the middle of the write of
 # step STEP, after its RNG file and before the tensors, on the first attempt only: a torn write.
 FAULT_ENV = "MESHRUN_FAULT"
-
-
-class Preempted(Exception):  # noqa: N818 - a control-flow signal, not an error
-    """SIGTERM/SIGINT arrived; a checkpoint of `step` is committed and the worker should exit 0."""
-
-    def __init__(self, step: int, signum: int):
-        super().__init__(f"stopped by {signal.Signals(signum).name} at step {step}; checkpoint committed")
-        self.step, self.signum = step, signum
 
 
 class Checkpointer:
@@ -75,8 +70,17 @@ class Checkpointer:
         self._last_saved = -1
         self._async_group = None
         self._stager = None
-        self._signal, self._signal_at = 0, 0.0
-        self._old_handlers = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+        self._signals: PreemptionSignals | None = PreemptionSignals()
+        runtime = process.peek()  # meshrun.shutdown() closes a Checkpointer the loop left open
+        self._runtime_undo = runtime.undo if runtime is not None else None
+        if self._runtime_undo is not None:
+            self._runtime_undo.append(self.close)
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     # -- resume --------------------------------------------------------------------------------
 
@@ -85,9 +89,9 @@ class Checkpointer:
         chosen = None
         if self.env.is_main:
             self.root.mkdir(parents=True, exist_ok=True)
-            self._drop_uncommitted()
+            selection.drop_uncommitted(self.root)
             try:
-                found = self._choose()
+                found = selection.choose(self.root, self.cfg.resume, session=self.session)
                 chosen = None if found is None else str(found)
             except mf.CheckpointError as exc:
                 chosen = exc  # raised on every rank below, not only here
@@ -103,48 +107,6 @@ class Checkpointer:
                                  rank=self.env.rank, session=self.session, loader=loader)
         self.samples.begin_step()
         return self.resumed_from
-
-    def _choose(self) -> Path | None:
-        """auto: the newest valid; never / PATH: that, but a restart (--max-restarts) keeps this job's progress."""
-        restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0"
-        if self.cfg.resume == "auto" or (self.cfg.resume == "never" and restart):
-            return self._latest_valid()
-        if self.cfg.resume == "never":
-            self._abandon_after(0, "starting fresh (--resume never)")
-            return None
-        path = Path(self.cfg.resume)
-        bad = mf.problem(path)
-        if bad:
-            raise mf.CheckpointError(f"checkpoint.resume={self.cfg.resume!r}: {bad}")
-        step = int(mf.read_manifest(path)["step"])
-        if restart:
-            own = self._latest_valid()
-            return own if own is not None and int(mf.read_manifest(own)["step"]) > step else path
-        self._abandon_after(step, f"resuming from {path} (step {step})", keep=path)
-        return path
-
-    def _abandon_after(self, step: int, why: str, keep: Path | None = None) -> None:
-        """Later checkpoints of this run belong to another timeline: rename them so auto never picks them."""
-        for later in mf.committed(self.root):
-            if int(later.name.split("-")[1]) > step and (keep is None or later.resolve() != keep.resolve()):
-                target = later.with_name(f"{later.name}.abandoned-{self.session}")
-                later.rename(target)
-                logger.warning("meshrun: %s: renamed the checkpoint %s to %s so that restarts never return to it",
-                               why, later.name, target.name)
-
-    def _latest_valid(self) -> Path | None:
-        for candidate in mf.committed(self.root):
-            bad = mf.problem(candidate)
-            if bad is None:
-                return candidate
-            logger.warning("meshrun: skipping damaged checkpoint %s: %s", candidate.name, bad)
-        return None
-
-    def _drop_uncommitted(self) -> None:
-        for tmp in mf.uncommitted(self.root):
-            logger.warning("meshrun: ignoring incomplete checkpoint %s (the write never committed); removing it",
-                           tmp.name)
-            shutil.rmtree(tmp, ignore_errors=True)
 
     def _load(self, path: Path, state: TrainState) -> None:
         saved = torch.load(path / mf.TRAIN_STATE, weights_only=True)
@@ -167,12 +129,12 @@ class Checkpointer:
         self.samples.end_step(state.step)
         self.samples.begin_step()
         self._poll()
-        signum = self._agreed_signal()
+        signum = self._signals.agreed(self.env.world_size, self.env.device) if self._signals else 0
         if signum:
             self.save(state, blocking=True)
             if self.env.is_main:
-                (self.root / PREEMPTED_FILE).write_text(json.dumps(
-                    {"step": state.step, "signal": signal.Signals(signum).name, "session": self.session}))
+                write_marker(self.root, step=state.step, signum=signum, session=self.session)
+            self.close()
             raise Preempted(state.step, signum)
         if self.cfg.interval and state.step % self.cfg.interval == 0:
             self.save(state, blocking=not self.cfg.async_save)
@@ -185,12 +147,15 @@ class Checkpointer:
         self.close()
 
     def close(self) -> None:
+        """Put back the signal handlers and free the staging buffers (idempotent, any exit path)."""
         if self._stager is not None:
             self._stager.close()
             self._stager = None
-        for signum, handler in self._old_handlers.items():
-            signal.signal(signum, handler)
-        self._old_handlers = {}
+        if self._signals is not None:
+            self._signals.restore()
+            self._signals = None
+        if self._runtime_undo is not None and self.close in self._runtime_undo:
+            self._runtime_undo.remove(self.close)
 
     def save(self, state: TrainState, *, blocking: bool = True) -> None:
         self._wait()  # one write at a time
@@ -246,22 +211,6 @@ class Checkpointer:
             shutil.rmtree(old, ignore_errors=True)
         logger.info("meshrun: checkpoint %s committed", final)
 
-    # -- preemption ----------------------------------------------------------------------------
-
-    def _on_signal(self, signum, frame) -> None:  # noqa: ANN001 - signal handler signature
-        if self._signal and time.monotonic() - self._signal_at > 1.0:  # asked again, later: stop now
-            raise KeyboardInterrupt
-        if not self._signal:
-            self._signal, self._signal_at = signum, time.monotonic()
-
-    def _agreed_signal(self) -> int:
-        """The signal any rank got, agreed by every rank at the same step (a small all_reduce)."""
-        if self.env.world_size == 1:
-            return self._signal
-        flag = torch.tensor([self._signal], dtype=torch.int64, device=self.env.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return int(flag.item())
-
 
 def _broadcast(value):
     if dist.is_initialized() and dist.get_world_size() > 1:
@@ -281,24 +230,3 @@ def _maybe_fault(step: int, env: DistEnv) -> None:
     if (spec == f"ckpt_write:{step}" and env.rank == env.world_size - 1
             and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"):
         os.kill(os.getpid(), signal.SIGKILL)
-
-
-def preempted_exit_code(run_dir: Path, signum: int, *, since: float) -> int:
-    """The agent's exit code after SIGTERM/SIGINT: 0 when the workers committed a checkpoint since `since`.
-
-    Otherwise 128 + the signal number (143 for SIGTERM), the shell's convention for "killed by
-    a signal", which schedulers treat as preempted. Either way re-running the command resumes.
-    """
-    name = signal.Signals(signum).name
-    marker = mf.checkpoints_dir(run_dir) / PREEMPTED_FILE
-    try:
-        if marker.stat().st_mtime >= since:
-            step = json.loads(marker.read_text())["step"]
-            print(f"meshrun train: stopped by {name} at step {step}, checkpoint committed; "
-                  "re-run the same command to continue", file=sys.stderr)
-            return 0
-    except (OSError, ValueError, KeyError):
-        pass
-    print(f"meshrun train: stopped by {name} before a checkpoint was committed; re-running the same "
-          "command continues from the latest valid checkpoint", file=sys.stderr)
-    return 128 + signum

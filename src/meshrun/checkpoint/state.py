@@ -1,4 +1,6 @@
-"""TrainState <-> what a checkpoint stores: DCP tensors, a small train-state file, per-rank RNG.
+"""TrainState, what a run must capture to continue exactly, and what a checkpoint stores of it.
+
+A checkpoint holds DCP tensors, a small train-state file and per-rank RNG states.
 
 Model and optimizer go through torch.distributed.checkpoint.state_dict, which names every
 tensor by its unwrapped FQN (no DDP `module.`, FSDP or checkpoint-wrapper prefixes) and keeps
@@ -10,9 +12,12 @@ parts (pipeline stages) merge by plain update and each part picks its own keys o
 from __future__ import annotations
 
 import random
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
+from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -21,9 +26,28 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from meshrun.train.state import TrainState
+if TYPE_CHECKING:
+    from meshrun.data.loader import InfiniteLoader
 
 _OPTIM = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+@dataclass
+class TrainState:
+    """The live objects of one run; `step` counts optimizer steps completed.
+
+    Lists, not single objects, because pipeline parallel may give one rank several stages (model
+    parts); each part has its own optimizer and LR scheduler (as in torchtitan), so that every
+    optimizer's state is keyed by its part's parameter names, which stay the same whatever the
+    layout. Without PP every list holds one element.
+    """
+
+    model_parts: list[nn.Module]
+    optimizers: list[torch.optim.Optimizer]
+    schedulers: list[torch.optim.lr_scheduler.LRScheduler]
+    train_loader: InfiniteLoader
+    step: int = 0
+    extra: dict = field(default_factory=dict)  # small picklable items to carry (e.g. losses so far)
 
 
 def tensor_state(state: TrainState) -> dict:

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from torch import nn
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from meshrun.checkpoint import manifest as mf
 from meshrun.checkpoint.manifest import CheckpointError
 
 
@@ -37,11 +40,12 @@ def check_fits(path: Path, model_state: dict[str, torch.Tensor]) -> None:
                                   "the model config it was saved with, or start fresh with --resume never")
 
 
-def check_resume(cfg) -> None:
-    """Before any worker starts: `checkpoint.resume` = PATH must be a valid checkpoint of this model's shape."""
-    from meshrun.checkpoint import manifest as mf
+def check_resume(resume: str, build_model: Callable[[], nn.Module]) -> None:
+    """Before any worker starts: `checkpoint.resume` = PATH must be a valid checkpoint of this model's shape.
 
-    resume = cfg.checkpoint.resume
+    `build_model()` builds the model to train; it runs on the meta device (shapes only, no memory)
+    and only when `resume` names a checkpoint ('auto' and 'never' need no check).
+    """
     if resume in ("auto", "never"):
         return
     path = Path(resume)
@@ -52,9 +56,6 @@ def check_resume(cfg) -> None:
     bad = mf.problem(path)
     if bad:
         raise CheckpointError(f"--resume {resume}: {bad}; pick another with `meshrun ckpt list`")
-    from meshrun.data.tokenizer import load_tokenizer
-    from meshrun.models.factory import build_model
-
-    with torch.device("meta"):  # shapes only, no memory
-        model = build_model(cfg.model, load_tokenizer(cfg.data.tokenizer).vocab_size, seed=0)
+    with torch.device("meta"):
+        model = build_model()
     check_fits(path, model.state_dict())

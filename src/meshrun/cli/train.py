@@ -121,8 +121,12 @@ def main(argv: list[str]) -> int:
     apply_slurm(launch_args)  # before the layout check: SLURM may say there are several nodes
     preflight(cfg, nproc_per_node=launch_args.nproc_per_node, nnodes=launch_args.nnodes)
     from meshrun.checkpoint.verify import check_resume  # torch: imported only once the input parsed
+    from meshrun.data.tokenizer import load_tokenizer
+    from meshrun.models.factory import build_model
 
-    check_resume(cfg)  # --resume PATH: a valid checkpoint of this model's shape, or one line and exit 2
+    # --resume PATH: a valid checkpoint of this model's shape, or one line and exit 2
+    check_resume(cfg.checkpoint.resume,
+                 lambda: build_model(cfg.model, load_tokenizer(cfg.data.tokenizer).vocab_size, seed=0))
     from meshrun.checkpoint.runs import unfinished_run
 
     run_dir = unfinished_run(cfg)  # an unnamed re-run continues its unfinished run, not a new one
@@ -138,7 +142,7 @@ def main(argv: list[str]) -> int:
     print(f"meshrun train: run directory {run_dir}", file=sys.stderr)
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
-    from meshrun.checkpoint.manager import preempted_exit_code
+    from meshrun.checkpoint.preemption import preempted_exit_code
 
     started = time.time()
     try:

@@ -28,8 +28,6 @@ from meshrun.errors import DataError
 
 log = logging.getLogger(__name__)
 
-_CORPUS_CACHE: dict[str, torch.Tensor] = {}
-
 
 class TokenWindowDataset(Dataset):
     """Windows of a 1-D token array: item i is (tokens[s:s+L], tokens[s+1:s+L+1]) as int64, s = i*stride.
@@ -182,14 +180,11 @@ def _check_tokenizer_matches(path: Path, meta_tok: dict, tokenizer: Tokenizer) -
 def load_data_tokens(path: str, tokenizer: Tokenizer, *,
                      vocab_size: int | None = None) -> tuple[torch.Tensor, float | None]:
     """The token array for data.path, and the val_fraction that `prepare` recorded (or None)."""
-    if not str(path).strip():
-        key = tokenizer.spec
-        if key not in _CORPUS_CACHE:
-            ids = encode_text(load_corpus_text(), tokenizer)
-            if tokenizer.eos_id is not None:
-                ids = torch.cat([ids, torch.tensor([tokenizer.eos_id])])
-            _CORPUS_CACHE[key] = ids
-        return _CORPUS_CACHE[key], None
+    if not str(path).strip():  # the built-in corpus: encoded here, once per run (about 0.1 s in bytes)
+        ids = encode_text(load_corpus_text(), tokenizer)
+        if tokenizer.eos_id is not None:
+            ids = torch.cat([ids, torch.tensor([tokenizer.eos_id])])
+        return ids, None
     p = Path(path).expanduser()
     if not p.exists():
         raise DataError(f"data.path={str(path)!r} does not exist; give a text file, a directory from "

@@ -1,5 +1,9 @@
 """Wrap torch.distributed's collective functions: record each call, optionally fingerprint it.
 
+The wrappers exist only between `CollectivePatch.install()` and `uninstall()` (meshrun.init() or
+the launch bootstrap, and meshrun.shutdown() or exit), and only when the launcher asked for the
+hang watchdog or `--debug collectives`; uninstalling puts torch's own functions back.
+
 Recording (always, while the hang watchdog is on) keeps this rank's last collectives with the
 user's file:line for the hang report, and counts a returned collective as progress. With
 `--debug collectives` each call is also checked against every peer's (fingerprint.py) before
@@ -14,8 +18,9 @@ import functools
 import os
 import sys
 import threading
+from collections.abc import Callable
 
-from meshrun.debug import progress
+from meshrun.debug.progress import CollectiveRecord, Progress
 
 # op -> (position, keyword) of the tensor whose dtype and shape every rank must agree on;
 # None: nothing comparable (objects, per-rank split sizes).
@@ -47,26 +52,8 @@ GROUP_POS = {
     "all_to_all_single": 4, "barrier": 0, "monitored_barrier": 0,
 }
 
-_tls = threading.local()
-_seqs: dict[str, int] = {}
-_checker = None  # a fingerprint.Checker when --debug collectives
-_installed = False
-_skip_dirs: tuple[str, ...] = ()
-_fallback_skip: tuple[str, ...] = ()
-
-
-def call_site(depth: int = 2) -> str:
-    """`file:line in function` of the first frame outside torch and meshrun (else outside torch)."""
-    frame = sys._getframe(depth)
-    fallback = None
-    while frame is not None:
-        path = frame.f_code.co_filename
-        if not path.startswith(_skip_dirs) and not path.startswith("<"):
-            return f"{path}:{frame.f_lineno} in {frame.f_code.co_name}"
-        if fallback is None and not path.startswith(_fallback_skip) and not path.startswith("<"):
-            fallback = f"{path}:{frame.f_lineno} in {frame.f_code.co_name}"
-        frame = frame.f_back
-    return fallback or "<unknown>"
+def _frame_site(frame) -> str:
+    return f"{frame.f_code.co_filename}:{frame.f_lineno} in {frame.f_code.co_name}"
 
 
 def _describe_tensor(value) -> str:
@@ -86,90 +73,108 @@ def _group_name(group) -> str:
     return "world" if name in (None, "", "0") else str(name)
 
 
-def _wrap(op: str, fn):
-    where = OPS[op]
+class CollectivePatch:
+    """torch.distributed's collectives wrapped for one process: per-group counts, call sites, checks."""
 
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        if getattr(_tls, "inside", False):  # e.g. all_gather_object -> all_gather: count the outer one
-            return fn(*args, **kwargs)
-        _tls.inside = True
-        try:
-            group = kwargs.get("group")
-            if group is None and len(args) > GROUP_POS[op]:
-                group = args[GROUP_POS[op]]
-            gname = _group_name(group)
-            seq = _seqs.get(gname, 0) + 1
-            _seqs[gname] = seq
-            tensor = "-"
-            if where is not None:
-                pos, name = where
-                value = kwargs[name] if name in kwargs else (args[pos] if len(args) > pos else None)
-                tensor = _describe_tensor(value)
-            record = progress.CollectiveRecord(seq, op, gname, tensor, call_site())
-            progress.begin(record)
-            _on_first_collective()
-            if _checker is not None:
-                _checker.check(record, group)
-            result = fn(*args, **kwargs)
-            progress.end(record)
-            return result
-        finally:
-            _tls.inside = False
+    def __init__(self, progress: Progress) -> None:
+        self.progress = progress
+        self.checker = None  # a fingerprint.Checker when --debug collectives, from the first collective on
+        self.skip_dirs: tuple[str, ...] = ()  # frames that are not the user's: torch, meshrun
+        self._fallback_skip: tuple[str, ...] = ()
+        self._seqs: dict[str, int] = {}
+        self._tls = threading.local()
+        self._first_hooks: list[Callable[[], None]] = []
+        self._replaced: list[tuple[object, str, object, object]] = []  # (module, op, original, wrapper)
 
-    wrapper.__meshrun_wrapped__ = fn
-    return wrapper
+    @property
+    def installed(self) -> bool:
+        return bool(self._replaced)
 
+    def call_site(self, depth: int = 2) -> str:
+        """`file:line in function` of the first frame outside torch and meshrun (else outside torch)."""
+        frame = sys._getframe(depth)
+        fallback = None
+        while frame is not None:
+            path = frame.f_code.co_filename
+            if not path.startswith(self.skip_dirs) and not path.startswith("<"):
+                return _frame_site(frame)
+            if fallback is None and not path.startswith(self._fallback_skip) and not path.startswith("<"):
+                fallback = _frame_site(frame)
+            frame = frame.f_back
+        return fallback or "<unknown>"
 
-_first_hooks: list = []
+    def on_first_collective(self, callback: Callable[[], None]) -> None:
+        """Run `callback()` once, at the first recorded collective (the group exists by then)."""
+        self._first_hooks.append(callback)
 
+    def install(self, checker_factory=None) -> None:
+        """Wrap the collectives in torch.distributed and its distributed_c10d module (idempotent)."""
+        if checker_factory is not None and self.checker is None:
+            self.on_first_collective(lambda: setattr(self, "checker", checker_factory()))
+        if self._replaced:
+            return
+        import torch
+        import torch.distributed as dist
+        import torch.distributed.distributed_c10d as c10d
 
-def on_first_collective(callback) -> None:
-    """Run `callback()` once, at the first recorded collective (the group exists by then)."""
-    _first_hooks.append(callback)
+        torch_dir = os.path.dirname(torch.__file__) + os.sep
+        meshrun_dir = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+        self._fallback_skip = (torch_dir,)
+        self.skip_dirs = (torch_dir, meshrun_dir)
+        for op in OPS:
+            original = getattr(c10d, op, None)
+            if original is None or hasattr(original, "__meshrun_wrapped__"):
+                continue
+            wrapper = self._wrap(op, original)
+            for module in (c10d, dist):
+                if getattr(module, op, None) is original:
+                    setattr(module, op, wrapper)
+                    self._replaced.append((module, op, original, wrapper))
 
+    def uninstall(self) -> None:
+        """Put torch's own functions back (where nobody has replaced the wrappers since)."""
+        while self._replaced:
+            module, op, original, wrapper = self._replaced.pop()
+            if getattr(module, op, None) is wrapper:
+                setattr(module, op, original)
+        self._first_hooks.clear()
+        self.checker = None
 
-def _on_first_collective() -> None:
-    while _first_hooks:
-        _first_hooks.pop(0)()
+    def _run_first_hooks(self) -> None:
+        while self._first_hooks:
+            self._first_hooks.pop(0)()
 
+    def _wrap(self, op: str, fn):
+        where = OPS[op]
+        tls, seqs, progress = self._tls, self._seqs, self.progress
 
-def install(checker_factory=None) -> None:
-    """Wrap the collectives in torch.distributed and its distributed_c10d module (idempotent)."""
-    global _installed, _skip_dirs, _fallback_skip, _checker
-    if checker_factory is not None and _checker is None:
-        on_first_collective(lambda: _set_checker(checker_factory()))
-    if _installed:
-        return
-    import torch
-    import torch.distributed as dist
-    import torch.distributed.distributed_c10d as c10d
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            if getattr(tls, "inside", False):  # e.g. all_gather_object -> all_gather: count the outer one
+                return fn(*args, **kwargs)
+            tls.inside = True
+            try:
+                group = kwargs.get("group")
+                if group is None and len(args) > GROUP_POS[op]:
+                    group = args[GROUP_POS[op]]
+                gname = _group_name(group)
+                seq = seqs.get(gname, 0) + 1
+                seqs[gname] = seq
+                tensor = "-"
+                if where is not None:
+                    pos, name = where
+                    value = kwargs[name] if name in kwargs else (args[pos] if len(args) > pos else None)
+                    tensor = _describe_tensor(value)
+                record = CollectiveRecord(seq, op, gname, tensor, self.call_site())
+                progress.begin(record)
+                self._run_first_hooks()
+                if self.checker is not None:
+                    self.checker.check(record, group)
+                result = fn(*args, **kwargs)
+                progress.end(record)
+                return result
+            finally:
+                tls.inside = False
 
-    import meshrun
-
-    torch_dir = os.path.dirname(torch.__file__) + os.sep
-    _fallback_skip = (torch_dir,)
-    _skip_dirs = (torch_dir, os.path.dirname(meshrun.__file__) + os.sep)
-    for op in OPS:
-        original = getattr(c10d, op, None)
-        if original is None or hasattr(original, "__meshrun_wrapped__"):
-            continue
-        wrapped = _wrap(op, original)
-        setattr(c10d, op, wrapped)
-        if getattr(dist, op, None) is original:
-            setattr(dist, op, wrapped)
-    _installed = True
-
-
-def _set_checker(checker) -> None:
-    global _checker
-    _checker = checker
-
-
-def checker():
-    return _checker
-
-
-def skip_dirs() -> tuple[str, ...]:
-    """Directories whose frames are not the user's (torch, meshrun)."""
-    return _skip_dirs
+        wrapper.__meshrun_wrapped__ = fn
+        return wrapper

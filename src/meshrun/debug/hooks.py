@@ -1,11 +1,13 @@
-"""Where the debug machinery joins a worker: at torch's import, init and shutdown.
+"""Where the debug machinery joins a worker, and where it leaves: torch's import, init, shutdown.
 
 `meshrun launch` runs every worker through launch/worker_main.py, which calls
-`install_import_hook()`: the collectives are wrapped as soon as the user's script imports
-torch (scripts that never do pay nothing). `meshrun.init()` calls `collective_timeout()` and
-`after_init()`, and `meshrun.shutdown()` calls `before_shutdown()`.
-Nothing happens unless this is a `meshrun launch` worker with MESHRUN_HANG_TIMEOUT > 0 or
-MESHRUN_DEBUG set.
+`install_import_hook()` when the launcher asked for the hang watchdog or `--debug collectives`:
+the collectives are then wrapped as soon as the user's script imports torch (scripts that never
+do pay nothing). `meshrun.init()` calls `attach(runtime)`, `collective_timeout()` and
+`after_init()`; `meshrun.shutdown()`, or the exit of a script that never calls it, calls
+`shutdown()`, which takes everything back: torch's own collectives, no global optimizer hooks,
+no import finder, no atexit entry. Nothing is installed unless this is a `meshrun launch` worker
+with MESHRUN_HANG_TIMEOUT > 0 or MESHRUN_DEBUG set.
 """
 
 from __future__ import annotations
@@ -18,33 +20,23 @@ import sys
 from dataclasses import replace
 from datetime import timedelta
 
-from meshrun.debug import progress
+from meshrun.debug.collectives import CollectivePatch
+from meshrun.debug.progress import Progress
 from meshrun.debug.settings import MIN_HANG_TIMEOUT_S, DebugSettings, check_collective_timeout
-
-_settings: DebugSettings | None = None
-_watchdog = None
-_installed = False
-
-
-def settings() -> DebugSettings:
-    global _settings
-    if _settings is None:
-        _settings = DebugSettings.from_env()
-    return _settings
-
-
-def _enabled() -> bool:
-    s = settings()
-    return s.hang_timeout_s > 0 or s.collectives
+from meshrun.runtime import process
 
 
 class _AfterImport(importlib.abc.MetaPathFinder):
-    """Runs `install()` right after `torch` (which imports torch.distributed and optim) is imported."""
+    """Calls `then()` right after `torch` (which imports torch.distributed and optim) is imported."""
+
+    def __init__(self, then) -> None:
+        self.then = then
 
     def find_spec(self, name, path=None, target=None):  # noqa: ANN001 - finder protocol
         if name != "torch":
             return None
-        sys.meta_path.remove(self)
+        if self in sys.meta_path:
+            sys.meta_path.remove(self)
         spec = importlib.util.find_spec(name)
         if spec is None or spec.loader is None:
             return spec
@@ -52,41 +44,160 @@ class _AfterImport(importlib.abc.MetaPathFinder):
 
         def exec_then_install(module):  # noqa: ANN001
             exec_module(module)
-            install()
+            self.then()
 
         spec.loader.exec_module = exec_then_install
         return spec
 
 
+class DebugHooks:
+    """The hang watchdog and `--debug collectives` of one worker: what is installed, and its undoing."""
+
+    def __init__(self, settings: DebugSettings, progress: Progress) -> None:
+        self.settings = settings
+        self.progress = progress
+        self.collectives: CollectivePatch | None = None
+        self.watchdog = None
+        self._finder: _AfterImport | None = None
+        self._handles: list = []  # torch's RemovableHandles of the global optimizer step hooks
+        self._at_exit = False
+
+    @property
+    def enabled(self) -> bool:
+        return self.settings.hang_timeout_s > 0 or self.settings.collectives
+
+    @property
+    def installed(self) -> bool:
+        return self.collectives is not None
+
+    def install_import_hook(self) -> None:
+        """Install the collective wrappers when torch is imported (now if it already is)."""
+        if not self.enabled:
+            return
+        if "torch" in sys.modules:
+            self.install()
+        elif self._finder is None:
+            self._finder = _AfterImport(self.install)
+            sys.meta_path.insert(0, self._finder)
+            self._exit_with_process()
+
+    def install(self) -> None:
+        """Wrap collectives, count optimizer steps as progress, start the watchdog at the first collective."""
+        if self.collectives is not None or not self.enabled:
+            return
+        from torch.optim.optimizer import (
+            register_optimizer_step_post_hook,
+            register_optimizer_step_pre_hook,
+        )
+
+        from meshrun.debug.optim_check import first_step_check
+
+        self.collectives = CollectivePatch(self.progress)
+        self.collectives.install(self._make_checker if self.settings.collectives else None)
+        self.collectives.on_first_collective(self.start_watchdog)
+        progress = self.progress
+        self._handles = [
+            register_optimizer_step_post_hook(lambda *_: progress.beat()),
+            register_optimizer_step_pre_hook(first_step_check),  # FSDP2: optimizer built before fully_shard
+        ]
+        self._exit_with_process()
+
+    def _exit_with_process(self) -> None:
+        if not self._at_exit:
+            atexit.register(self._shutdown_at_exit)
+            self._at_exit = True
+
+    def _shutdown_at_exit(self) -> None:
+        self._at_exit = False  # running from atexit: nothing to unregister
+        self.shutdown()
+
+    def _make_checker(self):
+        from meshrun.debug.fingerprint import Checker
+        from meshrun.debug.store import connect
+
+        store = connect()
+        rank, world = _rank_world()
+        if store is None or world < 2:
+            return None
+        hang = self.settings.hang_timeout_s
+        return Checker(store, rank, world, arrival_timeout_s=hang if hang > 0 else 60.0)
+
+    def start_watchdog(self) -> None:
+        """Start the hang watchdog once, when the job has a group of more than one rank."""
+        hang = self.settings.hang_timeout_s
+        rank, world = _rank_world()
+        if self.watchdog is not None or hang <= 0 or world < 2:
+            return
+        from meshrun.debug.store import connect
+        from meshrun.debug.watchdog import Watchdog
+
+        skip = self.collectives.skip_dirs if self.collectives is not None else ()
+        self.watchdog = Watchdog(hang, rank, world, connect, skip, self.progress)
+        self.watchdog.start()
+
+    def collective_timeout(self, timeout: timedelta | None) -> timedelta | None:
+        """The timeout for init_process_group: the user's (checked against the watchdog's) or 2 x hang.
+
+        A --hang-timeout the user chose must be below their collective timeout (else refused); the
+        default one shortens itself to half of a shorter user timeout instead.
+        """
+        if not self.enabled:
+            return timeout
+        s = self.settings
+        plan = s.plan
+        if timeout is None:
+            return timedelta(seconds=plan.collective_s) if plan.collective_s else None
+        seconds = timeout.total_seconds()
+        if s.explicit:
+            check_collective_timeout(seconds, plan.watchdog_s)
+        elif plan.watchdog_s >= seconds:
+            half = seconds / 2
+            self.settings = replace(s, hang_timeout_s=half if half >= MIN_HANG_TIMEOUT_S else 0.0)
+        return timeout
+
+    def after_init(self) -> None:
+        """Called by meshrun.init(): make sure the wrappers are in and the watchdog runs."""
+        if not self.enabled:
+            return
+        self.install()
+        self.start_watchdog()
+
+    def before_shutdown(self) -> None:
+        """This rank has made its last collective: tell fingerprint peers, stop watching for hangs."""
+        checker = self.collectives.checker if self.collectives is not None else None
+        if checker is not None:
+            checker.mark_done()
+        if self.watchdog is not None:
+            self.watchdog.stopped.set()
+            self.watchdog = None
+
+    def shutdown(self) -> None:
+        """`before_shutdown()`, then take back every wrapper and hook (idempotent)."""
+        self.before_shutdown()
+        if self.collectives is not None:
+            self.collectives.uninstall()
+            self.collectives = None
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        if self._finder is not None and self._finder in sys.meta_path:
+            sys.meta_path.remove(self._finder)
+        self._finder = None
+        if self._at_exit:
+            atexit.unregister(self._shutdown_at_exit)
+            self._at_exit = False
+
+
+def attach(runtime: process.Runtime) -> DebugHooks:
+    """The runtime's DebugHooks, made from the environment's settings on first use."""
+    if runtime.debug is None:
+        runtime.debug = DebugHooks(DebugSettings.from_env(), runtime.progress)
+    return runtime.debug
+
+
 def install_import_hook() -> None:
-    """Install the collective wrappers when torch is imported (now if it already is)."""
-    if not _enabled():
-        return
-    if "torch" in sys.modules:
-        install()
-    else:
-        sys.meta_path.insert(0, _AfterImport())
-
-
-def install() -> None:
-    """Wrap collectives, count optimizer steps as progress, start the watchdog at the first collective."""
-    global _installed
-    if _installed or not _enabled():
-        return
-    _installed = True
-    from torch.optim.optimizer import (
-        register_optimizer_step_post_hook,
-        register_optimizer_step_pre_hook,
-    )
-
-    from meshrun.debug import collectives
-    from meshrun.debug.optim_check import first_step_check
-
-    collectives.install(_make_checker if settings().collectives else None)
-    collectives.on_first_collective(start_watchdog)
-    register_optimizer_step_post_hook(lambda *_: progress.heartbeat())
-    register_optimizer_step_pre_hook(first_step_check)  # FSDP2: optimizer built before fully_shard
-    atexit.register(before_shutdown)
+    """The launch bootstrap's entry: wrap collectives once the user's script imports torch."""
+    attach(process.get()).install_import_hook()
 
 
 def _rank_world() -> tuple[int, int]:
@@ -95,71 +206,3 @@ def _rank_world() -> tuple[int, int]:
     if dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-
-
-def _make_checker():
-    from meshrun.debug.fingerprint import Checker
-    from meshrun.debug.store import connect
-
-    store = connect()
-    rank, world = _rank_world()
-    if store is None or world < 2:
-        return None
-    hang = settings().hang_timeout_s
-    return Checker(store, rank, world, arrival_timeout_s=hang if hang > 0 else 60.0)
-
-
-def start_watchdog() -> None:
-    """Start the hang watchdog once, when the job has a group of more than one rank."""
-    global _watchdog
-    hang = settings().hang_timeout_s
-    rank, world = _rank_world()
-    if _watchdog is not None or hang <= 0 or world < 2:
-        return
-    from meshrun.debug import collectives
-    from meshrun.debug.store import connect
-    from meshrun.debug.watchdog import Watchdog
-
-    _watchdog = Watchdog(hang, rank, world, connect, collectives.skip_dirs())
-    _watchdog.start()
-
-
-def collective_timeout(timeout: timedelta | None) -> timedelta | None:
-    """The timeout for init_process_group: the user's (checked against the watchdog's) or 2 x hang.
-
-    A --hang-timeout the user chose must be below their collective timeout (else refused); the
-    default one shortens itself to half of a shorter user timeout instead.
-    """
-    global _settings
-    if not _enabled():
-        return timeout
-    s = settings()
-    plan = s.plan
-    if timeout is None:
-        return timedelta(seconds=plan.collective_s) if plan.collective_s else None
-    seconds = timeout.total_seconds()
-    if s.explicit:
-        check_collective_timeout(seconds, plan.watchdog_s)
-    elif plan.watchdog_s >= seconds:
-        half = seconds / 2
-        _settings = replace(s, hang_timeout_s=half if half >= MIN_HANG_TIMEOUT_S else 0.0)
-    return timeout
-
-
-def after_init() -> None:
-    """Called by meshrun.init(): make sure the wrappers are in and the watchdog runs."""
-    if not _enabled():
-        return
-    install()
-    start_watchdog()
-
-
-def before_shutdown() -> None:
-    """This rank has made its last collective: tell fingerprint peers, stop watching for hangs."""
-    from meshrun.debug import collectives
-
-    checker = collectives.checker()
-    if checker is not None:
-        checker.mark_done()
-    if _watchdog is not None:
-        _watchdog.stopped.set()

@@ -1,10 +1,11 @@
 """FSDP2 misuse the guide warns about: an optimizer built before `fully_shard`.
 
 `fully_shard` replaces each parameter with a new DTensor parameter, so an optimizer built before
-it holds the old tensors: they never get a gradient and `step()` silently changes nothing
-(../shared/FIELD-NOTES.md). `check_optimizer(model, optimizer)` says so up front; under
-`meshrun launch` every optimizer's first step is checked too (no gradient on any of its
-parameters), which catches the same mistake without the model at hand.
+it holds the old tensors: they never get a gradient and `step()` silently changes nothing (on
+torch 2.13 the parameters never move, and no error is raised). `check_optimizer(model,
+optimizer)` says so up front; while the launcher's debug tools are on (the hang watchdog is, by
+default), every optimizer's first step is checked too (no gradient on any of its parameters),
+which catches the same mistake without the model at hand.
 """
 
 from __future__ import annotations

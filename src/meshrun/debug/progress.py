@@ -1,7 +1,8 @@
 """This process's progress: a counter the hang watchdog reads, and its last collectives.
 
-Standard library only and as cheap as Python allows: `heartbeat()` is one integer increment,
-so a training loop may call it every step (meshrun's trainer does, through optimizer steps).
+Standard library only and as cheap as Python allows: `meshrun.heartbeat()` is one increment of
+the counter on the process's runtime object (meshrun.runtime.process), so a training loop may
+call it every step (meshrun's trainer does, through optimizer steps).
 """
 
 from __future__ import annotations
@@ -11,18 +12,6 @@ from collections import deque
 from dataclasses import dataclass, field
 
 RECENT = 8  # collectives kept for the hang report
-
-_count = 0
-
-
-def heartbeat() -> None:
-    """Tell the hang watchdog this rank made progress (a step, a batch, a phase)."""
-    global _count
-    _count += 1
-
-
-def count() -> int:
-    return _count
 
 
 @dataclass
@@ -42,19 +31,25 @@ class CollectiveRecord:
         return f"#{self.seq} {self.op}({self.tensors}) group={self.group} at {self.site}: {state}"
 
 
-recent: deque[CollectiveRecord] = deque(maxlen=RECENT)
+class Progress:
+    """Steps, batches and returned collectives counted; the last RECENT collectives kept."""
 
+    def __init__(self) -> None:
+        self.count = 0
+        self.recent: deque[CollectiveRecord] = deque(maxlen=RECENT)
 
-def begin(record: CollectiveRecord) -> None:
-    recent.append(record)
+    def beat(self) -> None:
+        self.count += 1
 
+    def begin(self, record: CollectiveRecord) -> None:
+        self.recent.append(record)
 
-def end(record: CollectiveRecord) -> None:
-    record.ended = time.time()
-    heartbeat()
+    def end(self, record: CollectiveRecord) -> None:
+        record.ended = time.time()
+        self.count += 1
 
+    def open_collective(self) -> CollectiveRecord | None:
+        """The collective this rank is inside, if any."""
+        last = self.recent[-1] if self.recent else None
+        return last if last is not None and last.ended is None else None
 
-def open_collective() -> CollectiveRecord | None:
-    """The collective this rank is inside, if any."""
-    last = recent[-1] if recent else None
-    return last if last is not None and last.ended is None else None

@@ -18,7 +18,7 @@ import sys
 import threading
 import time
 
-from meshrun.debug import progress
+from meshrun.debug.progress import Progress
 
 HANG_EXIT_CODE = 124
 ALARM_KEY = "hang/alarm"
@@ -28,8 +28,10 @@ DUMP_GRACE_S = 5.0  # how long the first rank waits for the others to print thei
 
 
 class Watchdog(threading.Thread):
-    def __init__(self, timeout_s: float, rank: int, world_size: int, store_factory, skip_dirs) -> None:
+    def __init__(self, timeout_s: float, rank: int, world_size: int, store_factory, skip_dirs,
+                 progress: Progress) -> None:
         super().__init__(name="meshrun-hang-watchdog", daemon=True)
+        self.progress = progress
         self.timeout_s = timeout_s
         self.rank = rank
         self.world_size = world_size
@@ -46,7 +48,7 @@ class Watchdog(threading.Thread):
         seen_total, changed_at = -1, time.monotonic()
         while not self.stopped.wait(self.poll_s):
             try:
-                local = progress.count()
+                local = self.progress.count
                 if local != published:
                     total = store.add(PROGRESS_KEY, local - published)
                     published = local
@@ -71,7 +73,7 @@ class Watchdog(threading.Thread):
         from meshrun.debug.stacks import dump_all_threads, main_thread_site
 
         site, in_torch = main_thread_site(self.skip_dirs)
-        inside = progress.open_collective()
+        inside = self.progress.open_collective()
         if inside is not None:
             where = f"waiting in {inside.op} #{inside.seq} at {inside.site} for a peer"
         elif in_torch:
@@ -83,9 +85,9 @@ class Watchdog(threading.Thread):
         err = sys.stderr
         print(f"meshrun: {head}", file=err)
         print(f"meshrun: rank {self.rank}'s last collectives (oldest first):", file=err)
-        for record in progress.recent:
+        for record in self.progress.recent:
             print(f"    {record.describe()}", file=err)
-        if not progress.recent:
+        if not self.progress.recent:
             print("    none seen from Python", file=err)
         _flight_recorder(err)
         print(f"meshrun: rank {self.rank}'s Python stacks, every thread:", file=err)

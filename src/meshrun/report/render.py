@@ -10,15 +10,12 @@ from __future__ import annotations
 
 import base64
 import html
-import json
 import logging
-import math
 import statistics
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from meshrun.errors import MeshrunError
 from meshrun.metrics.logger import METRICS_FILE, RANKS_DIR
 from meshrun.report.charts import (
     Chart,
@@ -28,180 +25,12 @@ from meshrun.report.charts import (
     render_png,
     render_svg,
 )
+from meshrun.report.ranks import RankStats, Straggler, find_straggler, median_of, rank_stats
+from meshrun.report.run import ReportError, RunData, load_run
 
 logger = logging.getLogger(__name__)
 
-STRAGGLER_RATIO = 1.10  # slowest/fastest median above this names a straggler
-RANK_WARMUP_STEPS = 2  # first records of each rank left out of its median (set-up, first collectives)
 MAX_RANK_LINES = 8  # more ranks than this: plot the slowest, the fastest and the median across ranks
-
-
-class ReportError(MeshrunError):
-    """The run directory or its metrics cannot be read."""
-
-
-def _seconds(value: float) -> str:
-    return f"{value * 1000:.3g} ms" if value < 1 else f"{value:.3g} s"
-
-
-@dataclass
-class RunData:
-    """What a run directory holds: rank 0's records and each rank's step times."""
-
-    name: str
-    train: list[dict[str, Any]]
-    eval: list[dict[str, Any]]
-    meta: dict[str, Any]
-    ranks: dict[int, list[dict[str, Any]]]
-    skipped_lines: int = 0
-
-
-@dataclass
-class RankStats:
-    rank: int
-    num_steps: int
-    median_step_s: float
-    p90_step_s: float
-    median_data_s: float | None = None
-    median_compute_s: float | None = None
-    peak_mem_bytes: int | None = None
-
-
-@dataclass
-class Straggler:
-    """The slowest and the fastest rank by `metric`, and whether the gap makes a straggler."""
-
-    slowest: int
-    fastest: int
-    slowest_s: float
-    fastest_s: float
-    metric: str
-    is_straggler: bool = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.is_straggler = self.ratio >= STRAGGLER_RATIO
-
-    @property
-    def ratio(self) -> float:
-        return self.slowest_s / self.fastest_s if self.fastest_s > 0 else math.inf
-
-    @property
-    def note(self) -> str:
-        what = "step time" if self.metric == "step_time_s" else "local work (data + compute)"
-        gap = (f"median {what} {_seconds(self.slowest_s)} vs {_seconds(self.fastest_s)} on rank "
-               f"{self.fastest} ({self.ratio:.2f}x)")
-        if self.is_straggler:
-            return f"rank {self.slowest} is a straggler: {gap}"
-        return f"ranks are balanced: slowest rank {self.slowest}, {gap}"
-
-
-def _read_jsonl(path: Path) -> tuple[list[dict[str, Any]], int]:
-    """The JSON objects of a .jsonl file and how many non-empty lines were not one."""
-    records, bad = [], 0
-    with path.open(encoding="utf-8", errors="replace") as stream:
-        for line in stream:
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError:
-                bad += 1  # typically the half-written last line of a crashed run
-                continue
-            if isinstance(record, dict) and (record.get("kind") == "meta" or isinstance(record.get("step"), int)):
-                records.append(record)
-            else:
-                bad += 1
-    return records, bad
-
-
-def _by_step(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Sorted by step, keeping the last record of a step (a resumed run logs its steps again)."""
-    return sorted({record["step"]: record for record in records}.values(), key=lambda r: r["step"])
-
-
-def load_run(run_dir: str | Path) -> RunData:
-    """Read runs/<name>/metrics.jsonl and ranks/*.jsonl; ReportError when there is nothing to show."""
-    run_dir = Path(run_dir)
-    if run_dir.is_file() and run_dir.name == METRICS_FILE:
-        run_dir = run_dir.parent
-    if not run_dir.exists():
-        raise ReportError(f"run directory {run_dir} does not exist: pass the runs/<name> directory "
-                          f"that `meshrun train` wrote")
-    if not run_dir.is_dir():
-        raise ReportError(f"{run_dir} is not a directory: pass a run directory such as runs/<name>")
-    path = run_dir / METRICS_FILE
-    if not path.is_file():
-        raise ReportError(f"{path} not found: {run_dir} is not a meshrun run directory "
-                          f"(rank 0 writes {METRICS_FILE} during `meshrun train`)")
-    records, bad = _read_jsonl(path)
-    if not records and not bad:
-        raise ReportError(f"{path} is empty: the run stopped before it logged its first step")
-    kinds: dict[str, list[dict[str, Any]]] = {"train": [], "eval": [], "meta": []}
-    for record in records:
-        kind = record.get("kind") or ("eval" if "eval_loss" in record else "train")
-        kinds.setdefault(kind, []).append(record)
-    if not kinds["train"] and not kinds["eval"]:
-        raise ReportError(f"{path} has no train or eval records ({bad} malformed lines skipped): "
-                          f"expected one JSON object per line with a \"step\"")
-    ranks = {}
-    for rank_path in sorted((run_dir / RANKS_DIR).glob("rank*.jsonl")):
-        suffix = rank_path.stem.removeprefix("rank")
-        if suffix.isdigit():
-            rows, rank_bad = _read_jsonl(rank_path)
-            bad += rank_bad
-            rows = [r for r in rows if isinstance(r.get("step_time_s"), (int, float))]
-            if rows:
-                ranks[int(suffix)] = _by_step(rows)
-    if bad:
-        logger.info("skipped %d malformed lines in %s", bad, run_dir)
-    meta: dict[str, Any] = {}
-    for record in kinds["meta"]:
-        meta.update(record)
-    return RunData(name=run_dir.resolve().name, train=_by_step(kinds["train"]),
-                   eval=_by_step(kinds["eval"]), meta=meta, ranks=dict(sorted(ranks.items())),
-                   skipped_lines=bad)
-
-
-def _numbers(rows: list[dict[str, Any]], key: str) -> list[float]:
-    return [row[key] for row in rows if isinstance(row.get(key), (int, float))]
-
-
-def _median_of(rows: list[dict[str, Any]], key: str) -> float | None:
-    values = _numbers(rows, key)
-    return statistics.median(values) if values else None
-
-
-def rank_stats(ranks: dict[int, list[dict[str, Any]]]) -> list[RankStats]:
-    """Per-rank medians, leaving out each rank's first RANK_WARMUP_STEPS records."""
-    stats = []
-    for rank, rows in ranks.items():
-        rows = rows[RANK_WARMUP_STEPS:] if len(rows) > RANK_WARMUP_STEPS else rows
-        times = sorted(row["step_time_s"] for row in rows)
-        stats.append(RankStats(rank=rank, num_steps=len(ranks[rank]), median_step_s=statistics.median(times),
-                               p90_step_s=times[min(len(times) - 1, int(0.9 * len(times)))],
-                               median_data_s=_median_of(rows, "data_time_s"),
-                               median_compute_s=_median_of(rows, "compute_time_s"),
-                               peak_mem_bytes=max(_numbers(ranks[rank], "peak_mem_bytes"), default=None)))
-    return stats
-
-
-def find_straggler(stats: list[RankStats]) -> Straggler | None:
-    """The slowest rank against the fastest; None with fewer than two ranks.
-
-    Synchronous training makes every rank's step time equal (the fast ranks wait for the slow
-    one inside the collective), so when every rank logged `compute_time_s` the comparison uses
-    rank-local work (data + compute) instead, which still shows who is slow.
-    """
-    if len(stats) < 2:
-        return None
-    if all(s.median_compute_s is not None for s in stats):
-        metric = "local_time_s"
-        value = {s.rank: s.median_compute_s + (s.median_data_s or 0.0) for s in stats}
-    else:
-        metric, value = "step_time_s", {s.rank: s.median_step_s for s in stats}
-    slowest, fastest = max(value, key=value.get), min(value, key=value.get)
-    return Straggler(slowest=slowest, fastest=fastest, slowest_s=value[slowest],
-                     fastest_s=value[fastest], metric=metric)
 
 
 def _series(records: list[dict[str, Any]], key: str, label: str, **style: Any) -> Series | None:
@@ -280,7 +109,7 @@ def summary_rows(run: RunData, stats: list[RankStats], straggler: Straggler | No
     for key, label, fmt in (("tokens_per_s", "median tokens/s", format_number),
                             ("step_time_s", "median step time", lambda v: f"{v:.4g} s"),
                             ("mfu", "median MFU", lambda v: f"{v:.1%}")):
-        value = _median_of(run.train, key)
+        value = median_of(run.train, key)
         if value is not None:
             rows.append((label, fmt(value)))
     peaks = [r for r in run.train if isinstance(r.get("peak_mem_bytes"), (int, float))]

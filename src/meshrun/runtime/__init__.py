@@ -1,1 +1,1 @@
-"""Worker runtime: launcher env, device and backend choice, process-group init and clean shutdown."""
+"""Worker runtime: launcher env, device and backend choice, the process's one Runtime, init/shutdown."""

@@ -1,0 +1,61 @@
+"""Which checkpoint a run resumes from: `checkpoint.resume` = auto, never or a PATH, and restarts.
+
+Runs on rank 0 only, before the load; the others receive its choice.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from pathlib import Path
+
+from meshrun.checkpoint import manifest as mf
+
+logger = logging.getLogger(__name__)
+
+
+def choose(root: Path, resume: str, *, session: int) -> Path | None:
+    """auto: the newest valid; never / PATH: that, but a restart (--max-restarts) keeps this job's progress."""
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0"
+    if resume == "auto" or (resume == "never" and restart):
+        return latest_valid(root)
+    if resume == "never":
+        abandon_after(root, 0, "starting fresh (--resume never)", session=session)
+        return None
+    path = Path(resume)
+    bad = mf.problem(path)
+    if bad:
+        raise mf.CheckpointError(f"checkpoint.resume={resume!r}: {bad}")
+    step = int(mf.read_manifest(path)["step"])
+    if restart:
+        own = latest_valid(root)
+        return own if own is not None and int(mf.read_manifest(own)["step"]) > step else path
+    abandon_after(root, step, f"resuming from {path} (step {step})", session=session, keep=path)
+    return path
+
+
+def abandon_after(root: Path, step: int, why: str, *, session: int, keep: Path | None = None) -> None:
+    """Later checkpoints of this run belong to another timeline: rename them so auto never picks them."""
+    for later in mf.committed(root):
+        if int(later.name.split("-")[1]) > step and (keep is None or later.resolve() != keep.resolve()):
+            target = later.with_name(f"{later.name}.abandoned-{session}")
+            later.rename(target)
+            logger.warning("meshrun: %s: renamed the checkpoint %s to %s so that restarts never return to it",
+                           why, later.name, target.name)
+
+
+def latest_valid(root: Path) -> Path | None:
+    for candidate in mf.committed(root):
+        bad = mf.problem(candidate)
+        if bad is None:
+            return candidate
+        logger.warning("meshrun: skipping damaged checkpoint %s: %s", candidate.name, bad)
+    return None
+
+
+def drop_uncommitted(root: Path) -> None:
+    for tmp in mf.uncommitted(root):
+        logger.warning("meshrun: ignoring incomplete checkpoint %s (the write never committed); removing it",
+                       tmp.name)
+        shutil.rmtree(tmp, ignore_errors=True)
