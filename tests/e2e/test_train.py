@@ -2,36 +2,21 @@
 
 from __future__ import annotations
 
-import json
 import re
-from pathlib import Path
 
 import pytest
 import torch
-from conftest import EXAMPLES, meshrun
-
-TINY = str(EXAMPLES / "configs" / "tiny.toml")
-
-
-def _train(tmp_path: Path, name: str, *args: str, timeout: float = 240):
-    result = meshrun("train", TINY, "--set", f"train.name={name}", "--set", f"train.run_dir={tmp_path}",
-                     *args, timeout=timeout, cwd=tmp_path)
-    return result, tmp_path / name
-
-
-def _records(run_dir: Path, kind: str) -> list[dict]:
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [r for r in rows if r.get("kind") == kind]
+from conftest import EXAMPLES, TINY, meshrun, metrics_records, train_tiny
 
 
 def test_tiny_run_writes_config_metrics_weights_and_curves(tmp_path):
-    result, run_dir = _train(tmp_path, "tiny", "--nproc-per-node", "2")
+    result, run_dir = train_tiny(tmp_path, "tiny", "--nproc-per-node", "2")
     assert result.returncode == 0, result.output
     for name in ("config.toml", "metrics.jsonl", "model.pt", "report.html", "loss.png"):
         assert (run_dir / name).is_file(), name
-    evals = [r["eval_loss"] for r in _records(run_dir, "eval")]
+    evals = [r["eval_loss"] for r in metrics_records(run_dir, "eval")]
     assert evals[-1] < evals[0] - 0.5, evals  # it learns
-    train_rows = _records(run_dir, "train")
+    train_rows = metrics_records(run_dir, "train")
     assert {"loss", "lr", "grad_norm", "tokens_per_s", "step_time_s", "peak_mem_bytes"} <= set(train_rows[-1])
     assert "[rank 1]" not in result.stdout  # progress is rank 0's job
 
@@ -55,9 +40,9 @@ def test_layouts_match_one_process_and_accumulation_matches_a_bigger_batch(tmp_p
     }
     losses = {}
     for name, args in runs.items():
-        result, run_dir = _train(tmp_path, name, *args, *common)
+        result, run_dir = train_tiny(tmp_path, name, *args, *common)
         assert result.returncode == 0, result.output
-        losses[name] = [r["loss"] for r in _records(run_dir, "train")]
+        losses[name] = [r["loss"] for r in metrics_records(run_dir, "train")]
     assert len(losses["single"]) == 20
     from meshrun.config import load_config
     from meshrun.models.factory import build_model
@@ -139,7 +124,7 @@ def build(model_cfg, vocab_size):
 
 def test_user_model_factory_trains(tmp_path):
     (tmp_path / "mymodels.py").write_text(USER_MODEL)
-    result, run_dir = _train(tmp_path, "factory", "--nproc-per-node", "2", "--set", "model.factory=mymodels:build",
+    result, run_dir = train_tiny(tmp_path, "factory", "--nproc-per-node", "2", "--set", "model.factory=mymodels:build",
                              "--set", "train.steps=10", "--set", "train.eval_interval=0")
     assert result.returncode == 0, result.output
     state = torch.load(run_dir / "model.pt", weights_only=True)
@@ -147,10 +132,10 @@ def test_user_model_factory_trains(tmp_path):
 
 
 def test_bf16_autocast_with_activation_checkpointing_trains(tmp_path):
-    result, run_dir = _train(tmp_path, "bf16", "--nproc-per-node", "2", "--set", "train.dtype=bf16",
+    result, run_dir = train_tiny(tmp_path, "bf16", "--nproc-per-node", "2", "--set", "train.dtype=bf16",
                              "--set", "train.activation_checkpointing=true", "--set", "train.steps=10")
     assert result.returncode == 0, result.output
-    losses = [r["loss"] for r in _records(run_dir, "train")]
+    losses = [r["loss"] for r in metrics_records(run_dir, "train")]
     assert losses and all(0 < x < 10 for x in losses)
     state = torch.load(run_dir / "model.pt", weights_only=True)
     assert "layers.0.attention.wq.weight" in state  # checkpoint wrappers leave the names alone
