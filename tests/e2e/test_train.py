@@ -3,18 +3,41 @@
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import pytest
 import torch
-from conftest import EXAMPLES, TINY, meshrun, metrics_records, train_tiny
+from conftest import EXAMPLES, TINY, Result, meshrun, metrics_records, train_tiny
+
+# Each layout trains the tiny config once; the run-directory checks read the ddp2 run, and the
+# parity check compares them all (a launch costs far more than the 20 steps it runs).
+LAYOUT_RUNS = {
+    "ddp2": ["--nproc-per-node", "2", "--set", "train.batch_size=4"],
+    "single": ["--nproc-per-node", "1", "--set", "train.batch_size=8"],
+    "accum": ["--nproc-per-node", "1", "--set", "train.batch_size=4", "--set", "train.grad_accum=2"],
+    "fsdp2": ["--nproc-per-node", "2", "--set", "train.batch_size=4", "--set", "parallel.strategy=fsdp"],
+    "tp2": ["--nproc-per-node", "2", "--set", "train.batch_size=8", "--set", "parallel.strategy=fsdp",
+            "--set", "parallel.dp_replicate=1", "--set", "parallel.tp=2"],
+}
 
 
-def test_tiny_run_writes_config_metrics_weights_and_curves(tmp_path):
-    result, run_dir = train_tiny(tmp_path, "tiny", "--nproc-per-node", "2")
-    assert result.returncode == 0, result.output
+@pytest.fixture(scope="module")
+def layout_runs(tmp_path_factory) -> dict[str, tuple[Result, Path]]:
+    tmp = tmp_path_factory.mktemp("layouts")
+    runs = {}
+    for name, args in LAYOUT_RUNS.items():  # eval_interval=0: eval at step 0 and at the end only
+        result, run_dir = train_tiny(tmp, name, *args, "--set", "metrics.interval=1", "--set", "train.eval_interval=0")
+        assert result.returncode == 0, f"{name}: {result.output}"
+        runs[name] = (result, run_dir)
+    return runs
+
+
+def test_tiny_run_writes_config_metrics_weights_and_curves(layout_runs):
+    result, run_dir = layout_runs["ddp2"]
     for name in ("config.toml", "metrics.jsonl", "model.pt", "report.html", "loss.png"):
         assert (run_dir / name).is_file(), name
     evals = [r["eval_loss"] for r in metrics_records(run_dir, "eval")]
+    assert [r["step"] for r in metrics_records(run_dir, "eval")] == [0, 20]
     assert evals[-1] < evals[0] - 0.5, evals  # it learns
     train_rows = metrics_records(run_dir, "train")
     assert {"loss", "lr", "grad_norm", "tokens_per_s", "step_time_s", "peak_mem_bytes"} <= set(train_rows[-1])
@@ -28,27 +51,16 @@ def test_tiny_run_writes_config_metrics_weights_and_curves(tmp_path):
     model.load_state_dict(torch.load(run_dir / "model.pt", weights_only=True))  # the unwrapped model
 
 
-def test_layouts_match_one_process_and_accumulation_matches_a_bigger_batch(tmp_path):
-    common = ["--set", "metrics.interval=1", "--set", "train.eval_interval=0"]
-    runs = {
-        "ddp2": ["--nproc-per-node", "2", "--set", "train.batch_size=4"],
-        "single": ["--nproc-per-node", "1", "--set", "train.batch_size=8"],
-        "accum": ["--nproc-per-node", "1", "--set", "train.batch_size=4", "--set", "train.grad_accum=2"],
-        "fsdp2": ["--nproc-per-node", "2", "--set", "train.batch_size=4", "--set", "parallel.strategy=fsdp"],
-        "tp2": ["--nproc-per-node", "2", "--set", "train.batch_size=8", "--set", "parallel.strategy=fsdp",
-                "--set", "parallel.dp_replicate=1", "--set", "parallel.tp=2"],
-    }
-    losses = {}
-    for name, args in runs.items():
-        result, run_dir = train_tiny(tmp_path, name, *args, *common)
-        assert result.returncode == 0, result.output
-        losses[name] = [r["loss"] for r in metrics_records(run_dir, "train")]
+def test_layouts_match_one_process_and_accumulation_matches_a_bigger_batch(layout_runs):
+    losses = {name: [r["loss"] for r in metrics_records(run_dir, "train")]
+              for name, (_, run_dir) in layout_runs.items()}
     assert len(losses["single"]) == 20
     from meshrun.config import load_config
     from meshrun.models.factory import build_model
 
-    cfg = load_config(tmp_path / "fsdp2" / "config.toml")
-    build_model(cfg.model, 259).load_state_dict(torch.load(tmp_path / "fsdp2" / "model.pt", weights_only=True))
+    fsdp_dir = layout_runs["fsdp2"][1]
+    cfg = load_config(fsdp_dir / "config.toml")
+    build_model(cfg.model, 259).load_state_dict(torch.load(fsdp_dir / "model.pt", weights_only=True))
     for name in ("ddp2", "accum", "fsdp2", "tp2"):
         diffs = [abs(a - b) for a, b in zip(losses[name], losses["single"], strict=True)]
         assert max(diffs) < 1e-5, (name, diffs)
