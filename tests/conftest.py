@@ -1,7 +1,13 @@
-"""Shared fixtures: run meshrun's CLI and scripts as real processes, always bounded and reaped."""
+"""Shared helpers and fixtures: run meshrun's CLI and scripts as real processes, always bounded and reaped.
+
+Test files import the helpers by name (`from conftest import meshrun, train_tiny`); pytest puts
+tests/ on sys.path because this file sits there. Keep every helper that two test files need here,
+once, rather than a copy in each file.
+"""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -14,6 +20,19 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = REPO / "examples"
 BIN = Path(sys.executable).parent
+TINY = str(EXAMPLES / "configs" / "tiny.toml")  # the config the end-to-end tests train
+LAUNCHER_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def child_env(*extra: dict[str, str] | None) -> dict[str, str]:
+    """This process's environment without the variables a launcher sets, then each of `extra` on top.
+
+    A test run under a launcher (or by a rank) must not hand its own rank to the processes it starts.
+    """
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS and not k.startswith("TORCHELASTIC_")}
+    for more in extra:
+        env.update(more or {})
+    return env
 
 
 @dataclass
@@ -30,10 +49,7 @@ class Result:
 def run_proc(cmd: list[str], *, timeout: float = 120, cwd: Path | str | None = None,
              env: dict[str, str] | None = None) -> Result:
     """Run cmd in its own session; on timeout kill the whole group (by id) and fail the test."""
-    full_env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK",
-                                                                  "MASTER_ADDR", "MASTER_PORT")}
-    full_env.update(env or {})
-    proc = subprocess.Popen(cmd, cwd=cwd, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    proc = subprocess.Popen(cmd, cwd=cwd, env=child_env(env), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True)
     try:
         out, err = proc.communicate(timeout=timeout)
@@ -74,6 +90,35 @@ def kill_tree(pid: int) -> None:
 def meshrun(*args: str, **kwargs) -> Result:
     """`meshrun ARGS...` through the installed console script."""
     return run_proc([str(BIN / "meshrun"), *args], **kwargs)
+
+
+def train_tiny(tmp: Path, name: str, *args: str, timeout: float = 240,
+               env: dict[str, str] | None = None) -> tuple[Result, Path]:
+    """`meshrun train` on examples/configs/tiny.toml as run `name` under `tmp` (also the cwd).
+
+    Returns the result and the run directory, `tmp / name`; the caller checks the exit code.
+    """
+    result = meshrun("train", TINY, "--set", f"train.name={name}", "--set", f"train.run_dir={tmp}", *args,
+                     timeout=timeout, cwd=tmp, env=env)
+    return result, tmp / name
+
+
+def metrics_records(run_dir: Path, kind: str | None = None) -> list[dict]:
+    """The rows of a run's metrics.jsonl, in order; only those of `kind` ("train", "eval") if given."""
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in rows if kind is None or r.get("kind") == kind]
+
+
+def env_int(name: str, default: int) -> int:
+    """A repetition count a test reads from the environment (CI keeps the default low; benchmarks go higher)."""
+    value = os.environ.get(name, "")
+    try:
+        count = int(value) if value else default
+    except ValueError:
+        raise pytest.UsageError(f"{name} must be an integer, got {value!r}") from None
+    if count < 1:
+        raise pytest.UsageError(f"{name} must be >= 1, got {count}")
+    return count
 
 
 @pytest.fixture

@@ -132,37 +132,32 @@ def _ddp_train() -> dict[str, torch.Tensor]:
 
 @pytest.fixture(scope="module")
 def probe() -> list[dict[str, Any]]:
+    """One 4-rank launch shared by the checks below (process starts are what these tests cost)."""
     return run_distributed(
         _probe,
-        world_size=2,
-        timeout=60,
+        world_size=4,
+        timeout=90,
         args=(2.0,),
         kwargs={"tag": "x"},
         env={"MESHRUN_TEST_MARK": "on"},
     )
 
 
-def test_all_reduce_two_ranks_returns_values_in_rank_order(probe: list[dict[str, Any]]) -> None:
-    assert [p["rank"] for p in probe] == [0, 1]
-    assert [p["sum"] for p in probe] == [4.0, 4.0]
-    assert all(p["world_size"] == 2 and p["tag"] == "x" for p in probe)
+def test_all_reduce_four_ranks_returns_values_in_rank_order(probe: list[dict[str, Any]]) -> None:
+    assert [p["rank"] for p in probe] == [0, 1, 2, 3]
+    assert [p["sum"] for p in probe] == [8.0] * 4
+    assert all(p["world_size"] == 4 and p["tag"] == "x" for p in probe)
 
 
 def test_children_get_launcher_env_and_one_omp_thread(probe: list[dict[str, Any]]) -> None:
     for rank, p in enumerate(probe):
         env = p["vars"]
         assert env["RANK"] == env["LOCAL_RANK"] == str(rank)
-        assert env["WORLD_SIZE"] == env["LOCAL_WORLD_SIZE"] == "2"
+        assert env["WORLD_SIZE"] == env["LOCAL_WORLD_SIZE"] == "4"
         assert env["MASTER_ADDR"] == "127.0.0.1" and int(env["MASTER_PORT"]) > 0
         assert env["OMP_NUM_THREADS"] == "1" and p["torch_threads"] == 1
         assert env["MESHRUN_TEST_MARK"] == "on"
     assert "MESHRUN_TEST_MARK" not in os.environ  # the parent's environment is restored
-
-
-def test_all_reduce_four_ranks() -> None:
-    assert run_distributed(_all_reduce_rank, world_size=4, timeout=90) == [
-        (r, 4.0) for r in range(4)
-    ]
 
 
 def test_raising_rank_is_reported_with_rank_type_and_traceback() -> None:
@@ -199,12 +194,11 @@ def _spawned_children() -> list[int]:
     return found
 
 
+@pytest.mark.timeout(90)  # a harness that ignores its timeout hangs here until this one fails the test
 def test_hang_times_out_and_leaves_no_child_alive(tmp_path: Path) -> None:
-    start = time.monotonic()
+    # How long past its timeout run_distributed takes to raise is benchmarks/failure_latency.py's figure.
     with pytest.raises(DistributedTimeoutError) as info:
         run_distributed(_hang_on_rank_0, world_size=2, timeout=10, args=(str(tmp_path),))
-    elapsed = time.monotonic() - start
-    assert elapsed < 10 + 5
     err = info.value
     assert isinstance(err, TimeoutError) and err.timeout == 10 and 0 in err.ranks
     assert "timed out after 10s" in str(err) and "rank 0: " in str(err)

@@ -12,11 +12,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import EXAMPLES, meshrun
+from conftest import meshrun, train_tiny
 
 from meshrun.checkpoint.samples import effective_samples
 
-TINY = str(EXAMPLES / "configs" / "tiny.toml")
 COMMON = ["--set", "train.steps=10", "--set", "train.eval_interval=0", "--set", "metrics.interval=1",
           "--set", "checkpoint.interval=5", "--set", "checkpoint.sample_log=true", "--set", "model.tie_embeddings=false"]
 ENV = {"OMP_NUM_THREADS": "1"}
@@ -33,10 +32,9 @@ TARGETS = {
 
 
 def _train(tmp: Path, name: str, *args: str):
-    result = meshrun("train", TINY, "--set", f"train.name={name}", "--set", f"train.run_dir={tmp}", *COMMON, *args,
-                     timeout=180, cwd=tmp, env=ENV)
+    result, run_dir = train_tiny(tmp, name, *COMMON, *args, timeout=180, env=ENV)
     assert result.returncode == 0, result.output[-4000:]
-    return result, tmp / name
+    return result, run_dir
 
 
 def _losses(run_dir: Path) -> dict[int, float]:

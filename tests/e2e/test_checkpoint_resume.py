@@ -17,11 +17,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import BIN, EXAMPLES, _descendants, kill_tree, meshrun
+from conftest import BIN, TINY, _descendants, child_env, kill_tree, meshrun
 
 from meshrun.checkpoint.samples import effective_samples
 
-TINY = str(EXAMPLES / "configs" / "tiny.toml")
 STEPS = 60
 COMMON = ["--nproc-per-node", "2", "--set", f"train.steps={STEPS}", "--set", "train.eval_interval=0",
           "--set", "checkpoint.interval=5", "--set", "checkpoint.sample_log=true", "--set", "metrics.jsonl=false"]
@@ -50,9 +49,7 @@ def _assert_same_run(run_dir: Path, ref_dir: Path) -> None:
 
 
 def _start(tmp: Path, name: str, *extra: str, env: dict | None = None) -> subprocess.Popen:
-    full = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
-                                                              "MASTER_PORT")}
-    full.update(ENV, **(env or {}))
+    full = child_env(ENV, env)
     return subprocess.Popen([str(BIN / "meshrun"), *_args(tmp, name, *extra)], cwd=tmp, env=full, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
 
@@ -161,9 +158,7 @@ def test_bad_resume_path_is_one_line_exit_2(reference, tmp_path):
 def test_unnamed_run_preempted_then_the_same_command_continues_it(reference, tmp_path):
     """No train.name: the run gets a timestamped directory, and the re-run must find it again."""
     argv = [str(BIN / "meshrun"), "train", TINY, "--set", f"train.run_dir={tmp_path}", *COMMON]
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
-                                                             "MASTER_PORT")}
-    env.update(ENV)
+    env = child_env(ENV)
 
     def start() -> subprocess.Popen:
         return subprocess.Popen(argv, cwd=tmp_path, env=env, text=True, stdout=subprocess.PIPE,

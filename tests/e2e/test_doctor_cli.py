@@ -3,21 +3,18 @@
 from __future__ import annotations
 
 import json
-import os
 import socket
 import subprocess
 import sys
 
 import pytest
-
-LAUNCHER_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+from conftest import child_env
 
 
 def doctor(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
-    base = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS and not k.startswith("TORCHELASTIC_")}
     return subprocess.run(
         [sys.executable, "-m", "meshrun", "doctor", *args],
-        env={**base, **env},
+        env=child_env(env),
         capture_output=True,
         text=True,
         timeout=180,

@@ -1,10 +1,15 @@
 """Clean teardown: DDP on gloo under meshrun.init() must exit 0 every time (field notes: torch by
-hand aborts with `terminate called without an active exception` in ~half of 4-process runs)."""
+hand aborts with `terminate called without an active exception` in ~half of 4-process runs).
+
+CI launches the 4-process job MESHRUN_TEARDOWN_RUNS times (default 3: a 50% abort rate, as torch
+by hand shows, fails it with probability 7/8). The 20-run figure, side by side with torch by hand,
+is benchmarks/teardown.py.
+"""
 
 from __future__ import annotations
 
 import pytest
-from conftest import meshrun
+from conftest import env_int, meshrun
 
 DDP_SCRIPT = """\
 import torch
@@ -23,7 +28,7 @@ for _ in range(5):
 print("ok")
 """
 
-RUNS = 20
+RUNS = env_int("MESHRUN_TEARDOWN_RUNS", 3)
 
 
 @pytest.mark.slow

@@ -2,36 +2,44 @@
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import EXAMPLES, meshrun
+from conftest import EXAMPLES, TINY, Result, meshrun, metrics_records, train_tiny
 
-TINY = str(EXAMPLES / "configs" / "tiny.toml")
-
-
-def _train(tmp_path: Path, name: str, *args: str, timeout: float = 240):
-    result = meshrun("train", TINY, "--set", f"train.name={name}", "--set", f"train.run_dir={tmp_path}",
-                     *args, timeout=timeout, cwd=tmp_path)
-    return result, tmp_path / name
-
-
-def _records(run_dir: Path, kind: str) -> list[dict]:
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [r for r in rows if r.get("kind") == kind]
+# Each layout trains the tiny config once; the run-directory checks read the ddp2 run, and the
+# parity check compares them all (a launch costs far more than the 20 steps it runs).
+LAYOUT_RUNS = {
+    "ddp2": ["--nproc-per-node", "2", "--set", "train.batch_size=4"],
+    "single": ["--nproc-per-node", "1", "--set", "train.batch_size=8"],
+    "accum": ["--nproc-per-node", "1", "--set", "train.batch_size=4", "--set", "train.grad_accum=2"],
+    "fsdp2": ["--nproc-per-node", "2", "--set", "train.batch_size=4", "--set", "parallel.strategy=fsdp"],
+    "tp2": ["--nproc-per-node", "2", "--set", "train.batch_size=8", "--set", "parallel.strategy=fsdp",
+            "--set", "parallel.dp_replicate=1", "--set", "parallel.tp=2"],
+}
 
 
-def test_tiny_run_writes_config_metrics_weights_and_curves(tmp_path):
-    result, run_dir = _train(tmp_path, "tiny", "--nproc-per-node", "2")
-    assert result.returncode == 0, result.output
+@pytest.fixture(scope="module")
+def layout_runs(tmp_path_factory) -> dict[str, tuple[Result, Path]]:
+    tmp = tmp_path_factory.mktemp("layouts")
+    runs = {}
+    for name, args in LAYOUT_RUNS.items():  # eval_interval=0: eval at step 0 and at the end only
+        result, run_dir = train_tiny(tmp, name, *args, "--set", "metrics.interval=1", "--set", "train.eval_interval=0")
+        assert result.returncode == 0, f"{name}: {result.output}"
+        runs[name] = (result, run_dir)
+    return runs
+
+
+def test_tiny_run_writes_config_metrics_weights_and_curves(layout_runs):
+    result, run_dir = layout_runs["ddp2"]
     for name in ("config.toml", "metrics.jsonl", "model.pt", "report.html", "loss.png"):
         assert (run_dir / name).is_file(), name
-    evals = [r["eval_loss"] for r in _records(run_dir, "eval")]
+    evals = [r["eval_loss"] for r in metrics_records(run_dir, "eval")]
+    assert [r["step"] for r in metrics_records(run_dir, "eval")] == [0, 20]
     assert evals[-1] < evals[0] - 0.5, evals  # it learns
-    train_rows = _records(run_dir, "train")
+    train_rows = metrics_records(run_dir, "train")
     assert {"loss", "lr", "grad_norm", "tokens_per_s", "step_time_s", "peak_mem_bytes"} <= set(train_rows[-1])
     assert "[rank 1]" not in result.stdout  # progress is rank 0's job
 
@@ -43,27 +51,16 @@ def test_tiny_run_writes_config_metrics_weights_and_curves(tmp_path):
     model.load_state_dict(torch.load(run_dir / "model.pt", weights_only=True))  # the unwrapped model
 
 
-def test_layouts_match_one_process_and_accumulation_matches_a_bigger_batch(tmp_path):
-    common = ["--set", "metrics.interval=1", "--set", "train.eval_interval=0"]
-    runs = {
-        "ddp2": ["--nproc-per-node", "2", "--set", "train.batch_size=4"],
-        "single": ["--nproc-per-node", "1", "--set", "train.batch_size=8"],
-        "accum": ["--nproc-per-node", "1", "--set", "train.batch_size=4", "--set", "train.grad_accum=2"],
-        "fsdp2": ["--nproc-per-node", "2", "--set", "train.batch_size=4", "--set", "parallel.strategy=fsdp"],
-        "tp2": ["--nproc-per-node", "2", "--set", "train.batch_size=8", "--set", "parallel.strategy=fsdp",
-                "--set", "parallel.dp_replicate=1", "--set", "parallel.tp=2"],
-    }
-    losses = {}
-    for name, args in runs.items():
-        result, run_dir = _train(tmp_path, name, *args, *common)
-        assert result.returncode == 0, result.output
-        losses[name] = [r["loss"] for r in _records(run_dir, "train")]
+def test_layouts_match_one_process_and_accumulation_matches_a_bigger_batch(layout_runs):
+    losses = {name: [r["loss"] for r in metrics_records(run_dir, "train")]
+              for name, (_, run_dir) in layout_runs.items()}
     assert len(losses["single"]) == 20
     from meshrun.config import load_config
     from meshrun.models.factory import build_model
 
-    cfg = load_config(tmp_path / "fsdp2" / "config.toml")
-    build_model(cfg.model, 259).load_state_dict(torch.load(tmp_path / "fsdp2" / "model.pt", weights_only=True))
+    fsdp_dir = layout_runs["fsdp2"][1]
+    cfg = load_config(fsdp_dir / "config.toml")
+    build_model(cfg.model, 259).load_state_dict(torch.load(fsdp_dir / "model.pt", weights_only=True))
     for name in ("ddp2", "accum", "fsdp2", "tp2"):
         diffs = [abs(a - b) for a, b in zip(losses[name], losses["single"], strict=True)]
         assert max(diffs) < 1e-5, (name, diffs)
@@ -139,7 +136,7 @@ def build(model_cfg, vocab_size):
 
 def test_user_model_factory_trains(tmp_path):
     (tmp_path / "mymodels.py").write_text(USER_MODEL)
-    result, run_dir = _train(tmp_path, "factory", "--nproc-per-node", "2", "--set", "model.factory=mymodels:build",
+    result, run_dir = train_tiny(tmp_path, "factory", "--nproc-per-node", "2", "--set", "model.factory=mymodels:build",
                              "--set", "train.steps=10", "--set", "train.eval_interval=0")
     assert result.returncode == 0, result.output
     state = torch.load(run_dir / "model.pt", weights_only=True)
@@ -147,10 +144,10 @@ def test_user_model_factory_trains(tmp_path):
 
 
 def test_bf16_autocast_with_activation_checkpointing_trains(tmp_path):
-    result, run_dir = _train(tmp_path, "bf16", "--nproc-per-node", "2", "--set", "train.dtype=bf16",
+    result, run_dir = train_tiny(tmp_path, "bf16", "--nproc-per-node", "2", "--set", "train.dtype=bf16",
                              "--set", "train.activation_checkpointing=true", "--set", "train.steps=10")
     assert result.returncode == 0, result.output
-    losses = [r["loss"] for r in _records(run_dir, "train")]
+    losses = [r["loss"] for r in metrics_records(run_dir, "train")]
     assert losses and all(0 < x < 10 for x in losses)
     state = torch.load(run_dir / "model.pt", weights_only=True)
     assert "layers.0.attention.wq.weight" in state  # checkpoint wrappers leave the names alone

@@ -1,0 +1,51 @@
+"""Every test file in the repository is collected by a plain `pytest`, as `make test` runs it.
+
+pytest silently skips folders it considers build output (its default norecursedirs holds `dist`,
+`build`, `*.egg`, dot-folders...), and a file it cannot import is an error that a narrow run never
+sees; tests/dist went uncollected that way, 28 tests that never ran. This runs the same collection
+as `make test` in a subprocess and compares it with the test files on disk.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import REPO, child_env
+
+# Folders that hold no project tests: virtual environments and caches anywhere, and packaging or run
+# outputs at the top only (a tests/dist or tests/build folder is exactly what this test must catch).
+SKIP_ANYWHERE = {"venv", "node_modules", "__pycache__"}
+SKIP_AT_TOP = {"build", "dist", "runs"}
+
+
+def _test_files_on_disk() -> set[str]:
+    found = set()
+    for root, dirs, files in os.walk(REPO):
+        top = Path(root) == REPO
+        dirs[:] = [d for d in dirs if not (d.startswith(".") or d in SKIP_ANYWHERE or d.endswith(".egg-info")
+                                           or (top and d in SKIP_AT_TOP))]
+        rel = Path(root).relative_to(REPO)
+        for name in files:
+            if name.endswith(".py") and (name.startswith("test_") or name.endswith("_test.py")):
+                found.add((rel / name).as_posix())
+    return found
+
+
+@pytest.mark.timeout(180)
+def test_plain_pytest_collects_every_test_file():
+    proc = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider"],
+                          cwd=REPO, env=child_env({"PYTEST_ADDOPTS": ""}), capture_output=True, text=True,
+                          timeout=150)
+    assert proc.returncode == 0, f"collection failed (exit {proc.returncode}):\n{proc.stdout[-4000:]}{proc.stderr}"
+    collected = {line.split("::", 1)[0] for line in proc.stdout.splitlines() if "::" in line}
+    on_disk = _test_files_on_disk()
+    assert len(on_disk) > 30, on_disk  # the walk itself found the suite
+    assert "tests/unit/test_suite_collects.py" in collected
+    missing = sorted(on_disk - collected)
+    assert not missing, f"test files a plain `pytest` never collects (no test in them runs in CI): {missing}"
+    distributed = [f for f in collected if f.startswith("tests/distributed/")]
+    assert len(distributed) >= 5, distributed
