@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -79,8 +80,8 @@ def test_load_tokenizer_specs(tmp_path: Path):
     assert "nope.json" in one_line(exc) and "never downloads" in str(exc.value)
 
 
-@pytest.mark.skipif(importlib.util.find_spec("tokenizers") is not None, reason="tokenizers is installed")
-def test_tokenizer_json_without_package_says_pip_install(tmp_path: Path):
+def test_tokenizer_json_without_package_says_pip_install(tmp_path: Path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "tokenizers", None)  # as if not installed: `import tokenizers` fails
     (tmp_path / "tokenizer.json").write_text("{}")
     with pytest.raises(DataError) as exc:
         load_tokenizer(tmp_path / "tokenizer.json")

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import socket
 import subprocess
-import time
 from types import SimpleNamespace
 
 import pytest
@@ -242,6 +241,7 @@ def test_smoke_busy_port_fails_before_starting(held_port, monkeypatch):
     assert from_env.status == FAIL and "unset MASTER_PORT" in from_env.fix
 
 
+@pytest.mark.timeout(60)  # bounded by the test's own timeout, not a wall-clock assertion
 def test_smoke_timeout_kills_every_worker(monkeypatch):
     started: list[subprocess.Popen] = []
 
@@ -251,9 +251,7 @@ def test_smoke_timeout_kills_every_worker(monkeypatch):
             started.append(self)
 
     monkeypatch.setattr(smoke.subprocess, "Popen", Recording)
-    t0 = time.monotonic()
     check = smoke.run_smoke(timeout=0.3, environ={})
-    assert time.monotonic() - t0 < 10
     assert check.status == FAIL and "did not finish within 0.3 s" in check.detail and "--timeout" in check.fix
     assert len(started) == 2 and all(proc.returncode is not None for proc in started)
 
