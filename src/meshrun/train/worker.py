@@ -29,6 +29,9 @@ def main(argv: list[str] | None = None) -> int:
     except MeshrunError as exc:
         print(f"meshrun train: error: {exc}", file=sys.stderr)
         return 2
+    from meshrun.runtime.alloc import configure_allocator
+
+    configure_allocator()  # freed all-gather buffers go back to the OS: FSDP's savings show in RSS
     env = meshrun.init()
     from meshrun.checkpoint import Preempted
     from meshrun.train.trainer import train  # after init: heavy imports off the error path

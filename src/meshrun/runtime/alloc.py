@@ -1,0 +1,114 @@
+"""Host memory of a worker: return freed buffers to the OS (glibc malloc), and measure what is held.
+
+Why: on CPU, FSDP all-gathers a block's parameters before its forward and frees them after;
+gradients are reduce-scattered the same way. Those buffers are megabytes each. With glibc's
+defaults a freed buffer of that size goes back to malloc's heap, not to the OS: the default
+mmap threshold (128 KiB) rises to the size of every large block freed (up to 32 MiB), so the
+next ones come from the heap, and the heap is trimmed only from its top. A sharded rank then
+keeps the memory of a whole model's worth of gathers, and FSDP saves nothing measurable.
+Fixing the mmap threshold (which also stops its dynamic adjustment) makes every buffer at or
+above it a private mapping that `free` unmaps at once (mallopt(3), M_MMAP_THRESHOLD).
+Measured in docs/parallel.md ("Memory on CPU") with benchmarks/memory.py.
+
+    from meshrun.runtime.alloc import configure_allocator
+    configure_allocator()        # once, at worker start; a no-op off glibc
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+import platform
+import sys
+
+# mallopt(3) parameter numbers, from glibc's <malloc.h>.
+M_TRIM_THRESHOLD = -1
+M_MMAP_THRESHOLD = -3
+
+MMAP_THRESHOLD_BYTES = 1 << 20
+"""Buffers of 1 MiB and more are mmap'ed and unmapped on free. Smaller buffers (norm weights,
+the optimizer's scalars, small activations) stay on the heap, where mmap's page faults would
+cost more than they save."""
+TRIM_THRESHOLD_BYTES = 4 << 20
+"""Free heap top beyond 4 MiB is returned to the OS (glibc default 128 KiB, but it rises
+with the mmap threshold once that adjusts itself)."""
+
+
+def configure_allocator(*, mmap_threshold: int = MMAP_THRESHOLD_BYTES,
+                        trim_threshold: int = TRIM_THRESHOLD_BYTES) -> bool:
+    """Set glibc malloc's mmap and trim thresholds for this process; True when they were set.
+
+    A no-op (False) off Linux/glibc (musl, macOS, Windows), and when the user set either value
+    in the environment (`MALLOC_MMAP_THRESHOLD_`, `MALLOC_TRIM_THRESHOLD_`): theirs wins.
+    """
+    if sys.platform != "linux" or platform.libc_ver()[0] != "glibc":
+        return False
+    if "MALLOC_MMAP_THRESHOLD_" in os.environ or "MALLOC_TRIM_THRESHOLD_" in os.environ:
+        return False
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return False
+    mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
+    # mallopt returns 1 on success, 0 on error.
+    return bool(mallopt(M_MMAP_THRESHOLD, mmap_threshold)) and bool(mallopt(M_TRIM_THRESHOLD, trim_threshold))
+
+
+def rss_bytes() -> int | None:
+    """Resident memory of this process now (Linux /proc/self/statm); None where unreadable."""
+    try:
+        with open("/proc/self/statm") as f:
+            pages = int(f.read().split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+    return pages * os.sysconf("SC_PAGE_SIZE")
+
+
+def peak_rss_bytes() -> int | None:
+    """Peak resident memory of this process so far (getrusage's ru_maxrss); None where unknown."""
+    try:
+        import resource
+    except ImportError:
+        return None
+    maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(maxrss if sys.platform == "darwin" else maxrss * 1024)
+
+
+class MemoryMarks:
+    """Resident memory of one rank at the points of a run that tell whether sharding works.
+
+    Created when the runtime is up and before the model exists (`runtime`); `mark_startup`
+    after the model, optimizer and checkpoint are in place; `mark_first_step` after the first
+    optimizer step; `mark_end` at the end. Each mark is the process's peak so far, so "above
+    the runtime" is `mark - runtime`. Cheap: a file read or a getrusage call each.
+    """
+
+    def __init__(self) -> None:
+        self.runtime = rss_bytes()
+        self.startup: int | None = None
+        self.first_step: int | None = None
+        self.end: int | None = None
+
+    def mark_startup(self) -> None:
+        self.startup = peak_rss_bytes()
+
+    def mark_first_step(self) -> None:
+        self.first_step = peak_rss_bytes()
+
+    def mark_end(self) -> None:
+        self.end = peak_rss_bytes()
+
+    def gathered(self) -> dict[str, list[int | None]]:
+        """Every rank's marks, by rank, for rank 0's metrics (a collective: every rank calls it)."""
+        mine = [self.runtime, self.startup, self.first_step, self.end]
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            ranks: list = [None] * dist.get_world_size()
+            dist.all_gather_object(ranks, mine)
+        else:
+            ranks = [mine]
+        names = ("rss_runtime_bytes", "rss_peak_startup_bytes", "rss_peak_first_step_bytes", "rss_peak_bytes")
+        return {name: [r[i] for r in ranks] for i, name in enumerate(names)}
