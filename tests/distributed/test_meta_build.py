@@ -5,7 +5,8 @@ The trainer builds with `build_meta_model` and lets `build_layout` split, shard 
 (gathered from every rank's shards and stages) must equal a plain `Transformer(args, seed)`
 built eagerly in one process, tensor for tensor with `torch.equal`, and every part's RoPE tables
 must equal the eager ones (they are non-persistent buffers, so the state dict leaves them out).
-The same layout built from the eager model (a user factory without `init_weights`) must agree too.
+The same layout built from the eager model (a user factory without `init_weights`) must agree too,
+and full weights loaded afterwards (`model.init_from`) must land in every rank's shards.
 """
 
 from __future__ import annotations
@@ -67,7 +68,9 @@ def _build_all(world_size: int) -> dict[str, dict]:
         assert not any(is_meta(part) for part in layout.parts)
         eager = build_layout(_eager(), pcfg, device=torch.device("cpu"), world_size=world_size,
                              train_cfg=train, seed=SEED)
-        out[name] = {"meta": layout.full_state_dict(), "eager": eager.full_state_dict(),
+        meta_state = layout.full_state_dict()
+        layout.load_full_state_dict(Transformer(ARGS, seed=SEED + 1).state_dict())  # model.init_from
+        out[name] = {"meta": meta_state, "eager": eager.full_state_dict(), "loaded": layout.full_state_dict(),
                      "rope": _rope(layout.parts),
                      "local_numel": sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel()
                                         for part in layout.parts for p in part.parameters())}
@@ -82,13 +85,15 @@ def _check(result: dict, rank: int, name: str) -> None:
     for cos, sin in result["rope"]:
         assert torch.equal(cos, want_rope[0]) and torch.equal(sin, want_rope[1]), f"{name}: RoPE differs"
     if rank != 0:
-        assert result["meta"] == {} and result["eager"] == {}
+        assert result["meta"] == {} and result["eager"] == {} and result["loaded"] == {}
         return
-    for kind in ("meta", "eager"):
+    for kind in ("meta", "eager", "loaded"):
         got = result[kind]
+        if kind == "loaded":  # init_from's weights, loaded into this rank's shards after materialising
+            reference = Transformer(ARGS, seed=SEED + 1).state_dict()
         assert sorted(got) == sorted(reference), f"{name} {kind}: names differ"
         differ = [k for k in reference if not torch.equal(got[k], reference[k])]
-        assert not differ, f"{name} {kind}: {differ} differ from the eager build"
+        assert not differ, f"{name} {kind}: {differ} differ from what was expected"
 
 
 def test_meta_build_equals_eager_build_in_one_process():
