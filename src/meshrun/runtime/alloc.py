@@ -81,7 +81,8 @@ class MemoryMarks:
 
     Created when the runtime is up and before the model exists (`runtime`); `mark_startup`
     after the model, optimizer and checkpoint are in place; `mark_first_step` after the first
-    optimizer step; `mark_end` at the end. Each mark is the process's peak so far, so "above
+    optimizer step; `mark_trained` after the last; `mark_end` after the final weights are
+    saved (rank 0 gathers the whole model there). Each mark is the process's peak so far, so "above
     the runtime" is `mark - runtime`. Cheap: a file read or a getrusage call each.
     """
 
@@ -89,6 +90,7 @@ class MemoryMarks:
         self.runtime = rss_bytes()
         self.startup: int | None = None
         self.first_step: int | None = None
+        self.trained: int | None = None
         self.end: int | None = None
 
     def mark_startup(self) -> None:
@@ -97,12 +99,15 @@ class MemoryMarks:
     def mark_first_step(self) -> None:
         self.first_step = peak_rss_bytes()
 
+    def mark_trained(self) -> None:
+        self.trained = peak_rss_bytes()
+
     def mark_end(self) -> None:
         self.end = peak_rss_bytes()
 
     def gathered(self) -> dict[str, list[int | None]]:
         """Every rank's marks, by rank, for rank 0's metrics (a collective: every rank calls it)."""
-        mine = [self.runtime, self.startup, self.first_step, self.end]
+        mine = [self.runtime, self.startup, self.first_step, self.trained, self.end]
         import torch.distributed as dist
 
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
@@ -110,5 +115,6 @@ class MemoryMarks:
             dist.all_gather_object(ranks, mine)
         else:
             ranks = [mine]
-        names = ("rss_runtime_bytes", "rss_peak_startup_bytes", "rss_peak_first_step_bytes", "rss_peak_bytes")
+        names = ("rss_runtime_bytes", "rss_peak_startup_bytes", "rss_peak_first_step_bytes",
+                 "rss_peak_trained_bytes", "rss_peak_bytes")
         return {name: [r[i] for r in ranks] for i, name in enumerate(names)}

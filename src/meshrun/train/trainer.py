@@ -114,6 +114,7 @@ def train(cfg: JobConfig, env: DistEnv, run_dir: Path) -> TrainResult:
     run.checkpointer.finish(state)
     _evaluate(run, cfg, tcfg.steps, metrics, progress)
     progress.close()
+    run.memory.mark_trained()
 
     weights = _save_final_weights(layout, run_dir, env)
     run.memory.mark_end()
