@@ -14,7 +14,8 @@ import torch
 from torch import nn
 
 from meshrun.errors import ModelError
-from meshrun.models.llama import ModelArgs, Transformer
+from meshrun.models.args import ModelArgs
+from meshrun.models.llama import Transformer
 from meshrun.models.sizes import DEFAULT_SIZE, size_spec
 
 logger = logging.getLogger(__name__)
