@@ -103,7 +103,7 @@ def parallelize_nd(
 
 def parallelize_pipeline(model: nn.Module, dims: ParallelDims, mesh, plan, *, device: torch.device,
                          grad_accum: int = 1, **options) -> Pipeline:
-    """pp split -> (tp -> activation checkpointing -> fsdp/ddp) on each stage -> the schedule.
+    """pp split -> (tp -> activation checkpointing -> fsdp -> materialize -> ddp) on each stage -> the schedule.
 
     `plan` is a `PipelinePlan` (`plan_pipeline`); `options` are `parallelize_nd`'s keywords.
     Sequence and loss parallel are refused: they make a stage's output a DTensor, which the
