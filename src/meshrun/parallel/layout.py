@@ -112,8 +112,10 @@ class BuiltLayout:
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Full plain CPU tensors of the whole model on rank 0 ({} elsewhere); every rank calls it.
 
-        Under PP each stage's first (dp 0, tp 0) rank sends its parts' full tensors to rank 0
-        (gather_object); the original parameter names make the merge a dict update.
+        Under PP each stage's first (dp 0, tp 0) rank sends its parts' full tensors to rank 0,
+        one tensor at a time (point-to-point, after the names and shapes): rank 0 then holds the
+        whole model once, as one process would, not pickled copies of every stage at once. The
+        original parameter names make the merge a dict update.
         """
         if self.pipeline is None:
             model = self.parts[0]
@@ -127,13 +129,22 @@ class BuiltLayout:
             full = get_model_state_dict(part, options=StateDictOptions(full_state_dict=True))
             state.update({k: v.detach().cpu().clone() for k, v in full.items()})
         sender = self.dp_rank == 0 and self.mesh["tp"].get_local_rank() == 0
-        gathered: list | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-        dist.gather_object(state if sender else {}, gathered, dst=0)
-        if gathered is None:
+        shapes = {k: (tuple(v.shape), v.dtype) for k, v in state.items()} if sender else {}
+        rank = dist.get_rank()
+        listing: list | None = [None] * dist.get_world_size() if rank == 0 else None
+        dist.gather_object(shapes, listing, dst=0)
+        if rank != 0:
+            if sender:
+                for tensor in state.values():
+                    dist.send(tensor, dst=0)
             return {}
-        merged: dict[str, torch.Tensor] = {}
-        for piece in gathered:
-            merged.update(piece or {})
+        merged = dict(state)
+        for src, names in enumerate(listing or []):
+            if src == 0:
+                continue
+            for name, (shape, dtype) in (names or {}).items():
+                merged[name] = torch.empty(shape, dtype=dtype)
+                dist.recv(merged[name], src=src)
         return merged
 
 
