@@ -1,4 +1,5 @@
-"""Models: the built-in Llama-style decoder, its named sizes, and the user-model plug-in.
+"""Models: the built-in Llama-style decoder (args.py: its shape; llama.py: its modules), its named
+sizes, and the user-model plug-in (factory.py).
 
 from meshrun.models import build_model, get_size, Transformer
 model = Transformer(get_size("tiny"), seed=0)      # or build_model(cfg.model, vocab_size)
@@ -6,8 +7,10 @@ model = Transformer(get_size("tiny"), seed=0)      # or build_model(cfg.model, v
 
 from __future__ import annotations
 
+from meshrun.models.args import ModelArgs, auto_ffn_hidden, flops_per_token
 from meshrun.models.factory import (
     ModelProtocol,
+    build_meta_model,
     build_model,
     load_factory,
     model_args_from_config,
@@ -15,11 +18,8 @@ from meshrun.models.factory import (
 from meshrun.models.llama import (
     Attention,
     FeedForward,
-    ModelArgs,
     Transformer,
     TransformerBlock,
-    auto_ffn_hidden,
-    flops_per_token,
     num_params,
 )
 from meshrun.models.sizes import DEFAULT_SIZE, SIZES, get_size
@@ -34,6 +34,7 @@ __all__ = [
     "Transformer",
     "TransformerBlock",
     "auto_ffn_hidden",
+    "build_meta_model",
     "build_model",
     "flops_per_token",
     "get_size",

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import logging
 import os
 import sys
 from typing import Any, Protocol, runtime_checkable
@@ -13,8 +14,11 @@ import torch
 from torch import nn
 
 from meshrun.errors import ModelError
-from meshrun.models.llama import ModelArgs, Transformer
+from meshrun.models.args import ModelArgs
+from meshrun.models.llama import Transformer
 from meshrun.models.sizes import DEFAULT_SIZE, size_spec
+
+logger = logging.getLogger(__name__)
 
 ARG_FIELDS = (
     "vocab_size",
@@ -110,6 +114,34 @@ def build_model(
 
         load_consolidated(model, init_from)  # a file from `meshrun ckpt export` or a torch state_dict
     return model
+
+
+def build_meta_model(
+    model_cfg: Any, vocab_size: int | None = None, *, seed: int | None = None
+) -> nn.Module:
+    """The model on the meta device (shapes, no storage) when ``init_weights`` can fill it later.
+
+    The layout then shards it and materialises only this rank's share (``to_empty`` +
+    ``init_weights(seed)``, or ``model.init_from`` loaded after that). A user model without
+    ``init_weights`` (or one that cannot be built on meta) is built eagerly instead, as
+    ``build_model`` does, with one log line: every rank then holds the whole model at start-up.
+    """
+    try:
+        with torch.device("meta"):
+            model = build_model(model_cfg, vocab_size, seed=seed)
+        reason = None if hasattr(model, "init_weights") else "has no init_weights(seed)"
+    except ModelError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - the user's code failed on meta tensors: build it eagerly
+        reason, model = f"cannot be built on the meta device ({_one_line(exc)})", None
+    if reason is None:
+        return model
+    logger.warning(
+        "model.factory=%r %s, so every rank builds the whole model in memory before sharding it; "
+        "give the model an init_weights(seed) method to build it on the meta device",
+        getattr(model_cfg, "factory", None), reason,
+    )
+    return build_model(model_cfg, vocab_size, seed=seed)
 
 
 def load_factory(spec: str) -> Any:

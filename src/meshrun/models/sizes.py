@@ -6,7 +6,7 @@ import difflib
 from typing import Any
 
 from meshrun.errors import ModelError
-from meshrun.models.llama import ModelArgs
+from meshrun.models.args import ModelArgs
 
 # The byte-level tokenizer: 256 bytes plus <eos>, <bos>, <pad>. build_model replaces it with the
 # tokenizer's real vocabulary size; it matters only for params/FLOPs shown without a tokenizer.

@@ -1,10 +1,15 @@
-"""From the `[parallel]` section to what the trainer holds: model parts, a pipeline, dp rank and size.
+"""From the `[parallel]` section to what the trainer holds: model parts that step and evaluate.
 
-    layout = build_layout(model, cfg.parallel, device=env.device, world_size=env.world_size,
-                          train_cfg=cfg.train)
-    layout.parts          # one module per pipeline stage on this rank (one without PP)
-    layout.pipeline       # the schedule driver under PP, else None
-    layout.dp_rank, layout.dp_size, layout.pp
+    resolved = resolve_layout(ParallelOptions.from_config(cfg), env.world_size, ModelShape.from_model(model))
+    layout = build_layout(model, resolved, device=env.device, seed=cfg.train.seed)  # model built on "meta"
+    optimizers = [build_optimizer(part, cfg.optim) for part in layout.parts]
+    loss, grad_norm, seconds = layout.step(optimizers, batches, grad_accum=..., dtype=..., ...)
+    eval_loss = layout.evaluate(val_batches, steps=..., dtype=...)   # averaged over the ranks
+
+`model` may live on the meta device: the layout splits it into pipeline stages, applies tp,
+activation checkpointing and fsdp to each, then materialises every part on `device` with
+`to_empty` + `init_weights(seed)` before any DDP wrap (DDP broadcasts real weights). A model
+with real weights (a user factory without `init_weights`) goes through the same calls unchanged.
 
 `strategy = "ddp"` with pp = 1 is the plain DDP path (no DeviceMesh); everything else goes over
 one DeviceMesh: `parallelize_nd`, or `parallelize_pipeline` when pp > 1.
@@ -12,6 +17,8 @@ one DeviceMesh: `parallelize_nd`, or `parallelize_pipeline` when pp > 1.
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -27,17 +34,27 @@ from meshrun.parallel.parallelize import (
     parallelize_pipeline,
     unwrap_model,
 )
+from meshrun.parallel.resolve import Layout, torch_dtype
+from meshrun.train.step import (
+    evaluate,
+    evaluate_pp,
+    mean_loss_across_ranks,
+    train_step,
+    train_step_pp,
+)
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+Batches = Iterator[tuple[torch.Tensor, torch.Tensor]]
 
 
 @dataclass
-class Layout:
-    """This rank's share of the model and where it sits among the ranks."""
+class BuiltLayout:
+    """This rank's share of the model, where it sits among the ranks, and how it steps."""
 
     parts: list[nn.Module]
     dp_rank: int
     dp_size: int
+    device: torch.device
+    world_size: int = 1
     pipeline: object | None = None
     dims: ParallelDims | None = None
     mesh: object | None = None
@@ -51,11 +68,53 @@ class Layout:
     def pp_group(self):
         return self.mesh["pp"].get_group() if self.pipeline is not None else None
 
+    def train(self) -> None:
+        for part in self.parts:
+            part.train()
+
+    def step(self, optimizers: list[torch.optim.Optimizer], batches: Batches, *, grad_accum: int,
+             dtype: str, grad_clip: float, need_grad_norm: bool = True) -> tuple[torch.Tensor, torch.Tensor, float]:
+        """One optimizer step over `grad_accum` micro-batches: (this rank's loss, grad norm, seconds).
+
+        The loss is not yet averaged over the ranks (`mean_loss`, a collective, does that)."""
+        common = dict(grad_accum=grad_accum, device=self.device, dtype=dtype, grad_clip=grad_clip,
+                      need_grad_norm=need_grad_norm)
+        if self.pipeline is not None:
+            return train_step_pp(self.pipeline, optimizers, batches, pp_group=self.pp_group, **common)
+        return train_step(self.parts[0], optimizers[0], batches, loss_parallel=self.loss_parallel, **common)
+
+    def evaluate(self, batches, *, steps: int, dtype: str) -> float:
+        """Mean held-out loss over up to `steps` batches, averaged over the ranks (every rank calls it)."""
+        if self.pipeline is not None:
+            local = evaluate_pp(self.pipeline, batches, steps=steps, device=self.device, dtype=dtype)
+        else:
+            local = evaluate(self.parts[0], batches, steps=steps, device=self.device, dtype=dtype,
+                             loss_parallel=self.loss_parallel)
+        return self.mean_loss(local)
+
+    def mean_loss(self, local: torch.Tensor) -> float:
+        """This step's loss averaged over the data-parallel ranks: one all-reduce, on every rank."""
+        return mean_loss_across_ranks(local, self.world_size, self.pp)
+
+    def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Copy full (unsharded) tensors keyed by the original names into this rank's parts.
+
+        Each rank keeps only its own slices (DTensor parameters take their local shard without
+        communication) and each pipeline stage only its own names, so it needs no collective.
+        """
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        for part in self.parts:
+            own = {k: state[k] for k in _state_names(part)}
+            set_model_state_dict(part, own, options=StateDictOptions(full_state_dict=True))
+
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Full plain CPU tensors of the whole model on rank 0 ({} elsewhere); every rank calls it.
 
-        Under PP each stage's first (dp 0, tp 0) rank sends its parts' full tensors to rank 0
-        (gather_object); the original parameter names make the merge a dict update.
+        Under PP each stage's first (dp 0, tp 0) rank sends its parts' full tensors to rank 0,
+        one tensor at a time (point-to-point, after the names and shapes): rank 0 then holds the
+        whole model once, as one process would, not pickled copies of every stage at once. The
+        original parameter names make the merge a dict update.
         """
         if self.pipeline is None:
             model = self.parts[0]
@@ -69,56 +128,90 @@ class Layout:
             full = get_model_state_dict(part, options=StateDictOptions(full_state_dict=True))
             state.update({k: v.detach().cpu().clone() for k, v in full.items()})
         sender = self.dp_rank == 0 and self.mesh["tp"].get_local_rank() == 0
-        gathered: list | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-        dist.gather_object(state if sender else {}, gathered, dst=0)
-        if gathered is None:
+        shapes = {k: (tuple(v.shape), v.dtype) for k, v in state.items()} if sender else {}
+        rank = dist.get_rank()
+        listing: list | None = [None] * dist.get_world_size() if rank == 0 else None
+        dist.gather_object(shapes, listing, dst=0)
+        if rank != 0:
+            if sender:
+                for tensor in state.values():
+                    dist.send(tensor, dst=0)
             return {}
-        merged: dict[str, torch.Tensor] = {}
-        for piece in gathered:
-            merged.update(piece or {})
+        merged = dict(state)
+        for src, names in enumerate(listing or []):
+            if src == 0:
+                continue
+            for name, (shape, dtype) in (names or {}).items():
+                merged[name] = torch.empty(shape, dtype=dtype)
+                dist.recv(merged[name], src=src)
         return merged
 
 
-def build_layout(model: nn.Module, parallel_cfg, *, device: torch.device, world_size: int,
-                 train_cfg) -> Layout:
-    """Wrap `model` (on `device`, the same on every rank) as `parallel_cfg` says; see the module doc."""
-    pcfg = parallel_cfg
-    if pcfg.strategy == "ddp" and pcfg.pp == 1:
-        wrapped = parallelize(model, pcfg, device=device, world_size=world_size,
-                              activation_checkpointing=train_cfg.activation_checkpointing)
-        return Layout([wrapped], dp_rank=dist.get_rank() if world_size > 1 else 0, dp_size=world_size)
-    dims = ParallelDims.from_config(pcfg, world_size)
-    dims.check_model_args(getattr(model, "args", None))
-    plan = pipeline_plan(pcfg, dims, train_cfg, model) if dims.pp_enabled else None
+def _state_names(part: nn.Module) -> list[str]:
+    """The original state_dict names of `part` (wrappers' prefixes removed), without collectives."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    return list(get_model_state_dict(part).keys())
+
+
+def is_meta(model: nn.Module) -> bool:
+    """Whether any parameter or buffer of `model` still lives on the meta device (no storage)."""
+    return any(t.is_meta for t in itertools.chain(model.parameters(), model.buffers()))
+
+
+def materialize(module: nn.Module, device: torch.device, seed: int | None) -> None:
+    """Give a meta-built (and possibly sharded) `module` real storage on `device`, then fill it.
+
+    `to_empty` allocates only what this rank holds (its FSDP/TP shards, its pipeline stage's
+    blocks); `init_weights(seed)` draws every weight from a generator keyed by its name, so the
+    values equal the eager build's in every layout, and recomputes derived buffers (RoPE).
+    A module with real storage already is left as it is.
+    """
+    if not is_meta(module):
+        return
+    inner = unwrap_model(module)
+    if not hasattr(inner, "init_weights"):
+        raise TypeError(f"{type(inner).__name__} was built on the meta device but has no init_weights")
+    module.to_empty(device=device)
+    inner.init_weights(seed)
+
+
+def build_layout(model: nn.Module, layout: Layout, *, device: torch.device,
+                 seed: int | None = None) -> BuiltLayout:
+    """Split, shard and wrap `model` as the resolved `layout` says, materialising meta parts with `seed`.
+
+    `layout` comes from `meshrun.parallel.resolve.resolve_layout`, the one place the rules live.
+    Order (parallelize.py): pp split -> tp -> activation checkpointing -> fsdp -> materialise
+    -> ddp. Build the optimizers on the returned layout's `parts` afterwards.
+    """
+    options, world_size = layout.options, layout.world_size
+
+    def init(module: nn.Module) -> None:
+        materialize(module, device, seed)
+
+    if not layout.use_mesh:
+        wrapped = parallelize(model, options, device=device, world_size=world_size,
+                              activation_checkpointing=options.activation_checkpointing, materialize=init)
+        return BuiltLayout([wrapped], dp_rank=dist.get_rank() if world_size > 1 else 0, dp_size=world_size,
+                           device=device, world_size=world_size)
+    dims = layout.dims
     mesh = dims.build_mesh(device.type)
-    options = dict(
-        param_dtype=DTYPES[train_cfg.dtype if pcfg.param_dtype == "auto" else pcfg.param_dtype],
-        reduce_dtype=DTYPES[pcfg.reduce_dtype],
-        reshard_after_forward=pcfg.fsdp_reshard_after_forward,
-        cpu_offload=pcfg.fsdp_cpu_offload,
-        activation_checkpointing=train_cfg.activation_checkpointing,
-        sequence_parallel=pcfg.sequence_parallel,
-        loss_parallel=pcfg.loss_parallel,
+    kwargs = dict(
+        param_dtype=torch_dtype(layout.param_dtype),
+        reduce_dtype=torch_dtype(layout.reduce_dtype),
+        reshard_after_forward=options.fsdp_reshard_after_forward,
+        cpu_offload=options.fsdp_cpu_offload,
+        activation_checkpointing=options.activation_checkpointing,
+        sequence_parallel=options.sequence_parallel,
+        loss_parallel=options.loss_parallel,
+        materialize=init,
     )
-    layout = Layout([], dp_rank=dims.dp_rank(mesh), dp_size=dims.dp_size, dims=dims, mesh=mesh,
-                    loss_parallel=pcfg.loss_parallel)
-    if plan is None:
-        layout.parts = [parallelize_nd(model, dims, mesh, device=device, **options)]
+    built = BuiltLayout([], dp_rank=dims.dp_rank(mesh), dp_size=dims.dp_size, device=device,
+                        world_size=world_size, dims=dims, mesh=mesh, loss_parallel=options.loss_parallel)
+    if layout.pipeline is None:
+        built.parts = [parallelize_nd(model, dims, mesh, device=device, **kwargs)]
     else:
-        layout.pipeline = parallelize_pipeline(model, dims, mesh, plan, device=device,
-                                               grad_accum=train_cfg.grad_accum, **options)
-        layout.parts = layout.pipeline.parts
-    return layout
-
-
-def pipeline_plan(pcfg, dims: ParallelDims, train_cfg, model: nn.Module | None = None, *,
-                  n_layers: int | None = None):
-    """The checked `PipelinePlan` for this config (preflight calls it with `n_layers` alone)."""
-    from meshrun.parallel.pipeline import plan_pipeline
-
-    if n_layers is None:
-        n_layers = len(getattr(unwrap_model(model), "layers", []))
-    return plan_pipeline(pp=dims.pp, schedule=pcfg.pp_schedule, stages_per_rank=pcfg.pp_stages_per_rank,
-                         split_points=pcfg.pp_split_points, n_layers=n_layers,
-                         batch_size=train_cfg.batch_size, microbatches=pcfg.pp_microbatches,
-                         dp_size=dims.dp_size)
+        built.pipeline = parallelize_pipeline(model, dims, mesh, layout.pipeline, device=device,
+                                              grad_accum=options.grad_accum, **kwargs)
+        built.parts = built.pipeline.parts
+    return built

@@ -1,23 +1,32 @@
-"""The one place that decides the order: pp split -> tp -> activation checkpointing -> fsdp or ddp.
+"""The one place that decides the order: pp split -> tp -> activation checkpointing -> fsdp
+-> materialise -> ddp.
 
-Two entries:
-- `parallelize(model, parallel_cfg, device=, world_size=)`: plain DDP over the whole world, as the
-  trainer calls it today (no DeviceMesh).
+Three entries, each taking a model that may still live on the meta device:
+- `parallelize(model, parallel_cfg, device=, world_size=)`: plain DDP over the whole world (no
+  DeviceMesh).
 - `parallelize_nd(model, dims, mesh, device=, ...)`: any combination of DDP, FSDP2, HSDP and TP
   over one DeviceMesh built by `ParallelDims.build_mesh`.
 - `parallelize_pipeline(model, dims, mesh, plan, device=, ...)`: the same with pp > 1: the model
-  is split into stages first and each stage gets tp -> AC -> fsdp/ddp (3-D and more).
+  is split into stages first and each stage gets tp -> AC -> fsdp -> materialise -> ddp (3-D
+  and more).
+
+`materialize(module)`, when given, is called on each module once it is sharded and before any
+DDP wrap: it allocates only this rank's shards (`to_empty`) and fills them (`init_weights`), so
+no rank ever holds the whole model (meshrun.parallel.layout.materialize). DDP comes after it
+because its constructor broadcasts rank 0's real weights.
 
 Why this order (torchtitan's, torchtitan/models/llama3/infra/parallelize.py): TP rewrites the
 linear layers' parameters into DTensors on the tp axis, so it must see the plain modules;
 activation checkpointing wraps whole blocks, TP'd or not; FSDP comes last so that it shards the
 final (possibly TP'd, possibly wrapped) parameters, composing tp and dp into 2-D DTensors.
-The optimizer must be built after all of this (FSDP replaces the parameters).
+The optimizer must be built after all of this (FSDP replaces the parameters, and `to_empty`
+replaces every tensor).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -41,14 +50,18 @@ def parallelize(
     device: torch.device,
     world_size: int,
     activation_checkpointing: bool = False,
+    materialize: Callable[[nn.Module], None] | None = None,
 ) -> nn.Module:
-    """Wrap `model` (already on `device`) for the current world as `parallel_cfg` says (DDP)."""
+    """Wrap `model` for the current world as `parallel_cfg` says (DDP); `materialize` runs
+    before the wrap (a meta-built model gets its real weights there)."""
     strategy = getattr(parallel_cfg, "strategy", "ddp")
     if strategy != "ddp":
         raise ConfigError(f"parallel.strategy={strategy!r} needs a DeviceMesh: build one with "
                           f"ParallelDims.build_mesh and call parallelize_nd")
     if activation_checkpointing:
         apply_activation_checkpointing(model)
+    if materialize is not None:
+        materialize(model)
     if world_size > 1:
         model = apply_ddp(model, device)
     return model
@@ -67,8 +80,9 @@ def parallelize_nd(
     activation_checkpointing: bool = False,
     sequence_parallel: bool = False,
     loss_parallel: bool = False,
+    materialize: Callable[[nn.Module], None] | None = None,
 ) -> nn.Module:
-    """Apply tp -> activation checkpointing -> fsdp/ddp to `model` (on `device`) as `dims` says.
+    """Apply tp -> activation checkpointing -> fsdp -> materialize -> ddp to `model` as `dims` says.
 
     Data parallel is chosen from the degrees, as torchtitan does: dp_shard > 1 gives FSDP2
     (HSDP with dp_replicate > 1 as well); TP with dp_replicate > 1 only also goes through
@@ -84,12 +98,13 @@ def parallelize_nd(
     return _apply_nd(model, dims, mesh, device=device, param_dtype=param_dtype,
                      reduce_dtype=reduce_dtype, reshard_after_forward=reshard_after_forward,
                      cpu_offload=cpu_offload, activation_checkpointing=activation_checkpointing,
-                     sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
+                     sequence_parallel=sequence_parallel, loss_parallel=loss_parallel,
+                     materialize=materialize)
 
 
 def parallelize_pipeline(model: nn.Module, dims: ParallelDims, mesh, plan, *, device: torch.device,
                          grad_accum: int = 1, **options) -> Pipeline:
-    """pp split -> (tp -> activation checkpointing -> fsdp/ddp) on each stage -> the schedule.
+    """pp split -> (tp -> activation checkpointing -> fsdp -> materialize -> ddp) on each stage -> the schedule.
 
     `plan` is a `PipelinePlan` (`plan_pipeline`); `options` are `parallelize_nd`'s keywords.
     Sequence and loss parallel are refused: they make a stage's output a DTensor, which the
@@ -106,8 +121,10 @@ def _apply_nd(model: nn.Module, dims: ParallelDims, mesh, *, device: torch.devic
               param_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None,
               reshard_after_forward: bool = True, cpu_offload: bool = False,
               activation_checkpointing: bool = False, sequence_parallel: bool = False,
-              loss_parallel: bool = False) -> nn.Module:
-    """tp -> activation checkpointing -> fsdp/ddp on one module (a whole model or a pp stage)."""
+              loss_parallel: bool = False,
+              materialize: Callable[[nn.Module], None] | None = None) -> nn.Module:
+    """tp -> activation checkpointing -> fsdp -> materialize -> ddp on one module (a whole model
+    or a pp stage)."""
     check_tp_features(dims.tp, dims.pp, sequence_parallel, loss_parallel)
     if dims.tp_enabled:
         from meshrun.parallel.tp import apply_tp
@@ -119,14 +136,17 @@ def _apply_nd(model: nn.Module, dims: ParallelDims, mesh, *, device: torch.devic
     # DDP takes neither DTensor parameters (TP) nor a pipeline's several backwards per step
     # (its reducer asserts when it rebuilds buckets, measured on torch 2.13): replicate with
     # fully_shard on the (dp_replicate, dp_shard=1) mesh instead, as torchtitan does.
-    if dims.dp_shard_enabled or ((dims.tp_enabled or dims.pp_enabled) and dims.dp_replicate_enabled):
+    use_fsdp = dims.dp_shard_enabled or ((dims.tp_enabled or dims.pp_enabled) and dims.dp_replicate_enabled)
+    if use_fsdp:
         from meshrun.parallel.fsdp import apply_fsdp
 
         model = apply_fsdp(model, dims.fsdp_mesh(mesh) if dims.dp_shard_enabled
                            else mesh["dp_replicate", "dp_shard"],
                            param_dtype=param_dtype, reduce_dtype=reduce_dtype,
                            reshard_after_forward=reshard_after_forward, cpu_offload=cpu_offload)
-    elif dims.dp_replicate_enabled:
+    if materialize is not None:
+        materialize(model)
+    if dims.dp_replicate_enabled and not use_fsdp:
         model = apply_ddp(model, device, process_group=mesh["dp_replicate"].get_group())
     return model
 

@@ -6,10 +6,12 @@ arXiv:2401.10241). Everything runs on `torch.distributed.pipelining` (`PipelineS
 schedules, https://docs.pytorch.org/docs/stable/distributed.pipelining.html); the stage split
 follows torchtitan's `pipeline_module_split` (torchtitan/distributed/pipeline_parallel.py).
 
-Each stage is a deep copy of the whole model with the blocks (and embedding / final norm /
-output) it does not own deleted, so every parameter keeps its original name (`layers.3.
-attention.wq.weight` is called that on whichever rank holds block 3): checkpoints and the
-optimizer state are keyed the same in every layout.
+A stage is the model with the blocks (and embedding / final norm / output) it does not own
+deleted, so every parameter keeps its original name (`layers.3.attention.wq.weight` is called
+that on whichever rank holds block 3): checkpoints and the optimizer state are keyed the same in
+every layout. The trainer builds the model on the meta device, so the split holds no weights:
+a rank's last stage is cut from the model itself, its other stages (interleaved schedules) from
+copies of the meta model, which cost no storage, and only then is each stage materialised.
 
 Which schedules: the ones below were run here on CPU/gloo against one process (tests/e2e/
 test_parallel_matrix.py). "Single" schedules hold one stage per rank; the others hold
@@ -35,18 +37,20 @@ from meshrun.parallel.rules import (
 )
 
 
-def stage_module(model: nn.Module, stage_id: int, num_stages: int, layers: list[str]) -> nn.Module:
-    """A copy of `model` holding only `layers` (and the embedding / head if first / last stage).
+def stage_module(model: nn.Module, stage_id: int, num_stages: int, layers: list[str], *,
+                 in_place: bool = False) -> nn.Module:
+    """`model` holding only `layers` (and the embedding / head if first / last stage).
 
-    Parameter names are the original ones. Tied embeddings are refused: the two ends would hold
-    separate copies and drift apart.
+    A copy of `model` (free when it lives on the meta device), or `model` itself, cut down, with
+    `in_place`. Parameter names are the original ones. Tied embeddings are refused: the two ends
+    would hold separate copies and drift apart.
     """
     check_tied_pipeline(getattr(getattr(model, "args", None), "tie_embeddings", False))
     for attr in ("layers", "tok_embeddings", "norm", "output"):
         if not hasattr(model, attr):
             raise ConfigError(f"pipeline parallel needs the built-in Transformer layout; "
                               f"{type(model).__name__} has no `{attr}` (see meshrun.models.llama)")
-    stage = copy.deepcopy(model)
+    stage = model if in_place else copy.deepcopy(model)
     for name in list(stage.layers.keys()):
         if name not in layers:
             del stage.layers[name]
@@ -108,15 +112,19 @@ class Pipeline:
 
 def build_pipeline(model: nn.Module, plan: PipelinePlan, pp_mesh, *, device: torch.device,
                    parallelize_part, grad_accum: int = 1) -> Pipeline:
-    """Split `model` as `plan` says, parallelize each stage (`parallelize_part(module)` does tp ->
-    AC -> fsdp/ddp), wrap them in PipelineStages over `pp_mesh` and build the schedule."""
+    """Split `model` as `plan` says (it is cut down in place: this rank's last stage), parallelize
+    each stage (`parallelize_part(module)` does tp -> AC -> fsdp -> materialise -> ddp), wrap them
+    in PipelineStages over `pp_mesh` and build the schedule."""
     from torch.distributed.pipelining import PipelineStage
     from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
 
     pp_rank, pp = pp_mesh.get_local_rank(), pp_mesh.size()
     stages, parts = [], []
-    for stage_id in plan.stage_ids(pp_rank, pp):
-        part = parallelize_part(stage_module(model, stage_id, plan.num_stages, plan.layers[stage_id]))
+    stage_ids = plan.stage_ids(pp_rank, pp)
+    modules = [stage_module(model, stage_id, plan.num_stages, plan.layers[stage_id],
+                            in_place=stage_id == stage_ids[-1]) for stage_id in stage_ids]
+    for stage_id, module in zip(stage_ids, modules, strict=True):
+        part = parallelize_part(module)
         parts.append(part)
         stages.append(PipelineStage(part, stage_id, plan.num_stages, device, group=pp_mesh.get_group()))
     cls = get_schedule_class(SCHEDULES[plan.schedule][0])

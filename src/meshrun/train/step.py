@@ -19,15 +19,14 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from meshrun.parallel.parallelize import clip_grad_norm_ as clip_dtensor_grad_norm_
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+from meshrun.parallel.resolve import torch_dtype
 
 
 def autocast_context(device: torch.device, dtype: str):
     """bf16 autocast on any device (CPU included); fp32 runs without autocast."""
     if dtype == "fp32":
         return contextlib.nullcontext()
-    return torch.autocast(device_type=device.type, dtype=DTYPES[dtype])
+    return torch.autocast(device_type=device.type, dtype=torch_dtype(dtype))
 
 
 def lm_loss(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -29,6 +29,12 @@ def main(argv: list[str] | None = None) -> int:
     except MeshrunError as exc:
         print(f"meshrun train: error: {exc}", file=sys.stderr)
         return 2
+    if cfg.parallel.strategy == "fsdp":
+        from meshrun.runtime.alloc import configure_allocator
+
+        # Freed all-gather buffers go back to the OS, so FSDP's savings show in RSS. Not for DDP:
+        # mmap'ed buffers are zeroed on first touch, which slows CPU steps (docs/parallel.md).
+        configure_allocator()
     env = meshrun.init()
     from meshrun.checkpoint import Preempted
     from meshrun.train.trainer import train  # after init: heavy imports off the error path
