@@ -1,11 +1,14 @@
 """Launch overhead: time from the launch command to the first line of user code, meshrun vs torchrun.
 
-    python benchmarks/launch_overhead.py --repeats 5 --nproc-per-node 2
+    python benchmarks/launch_overhead.py --repeats 15 --nproc-per-node 2
+    python benchmarks/launch_overhead.py --repeats 15 --before /tmp/old/src   # also an older meshrun
 
 Both launchers start the same 2-process script, alternating run by run so machine noise hits
 both alike. The script's first line records time.time(); the figure per run is the latest
 rank's first line minus the moment the launcher was started. Prints the medians and the ratio
-meshrun / torchrun (target <= 1.10). Every run is bounded by --timeout and killed by pid.
+meshrun / torchrun (target <= 1.05). --before SRC adds a third launcher, `meshrun launch` with
+PYTHONPATH=SRC (e.g. `git archive HEAD~1 src | tar -x -C /tmp/old`), interleaved with the
+other two, to measure a change. Every run is bounded by --timeout and killed by pid.
 """
 
 from __future__ import annotations
@@ -26,6 +29,9 @@ with open(os.path.join(os.environ["BENCH_DIR"], "rank" + os.environ["RANK"]), "w
 """
 
 
+TARGET_RATIO = 1.05
+
+
 def _launcher_cmd(name: str, nproc: int, script: str) -> list[str]:
     bindir = os.path.dirname(sys.executable)
     if name == "torchrun":
@@ -34,9 +40,11 @@ def _launcher_cmd(name: str, nproc: int, script: str) -> list[str]:
     return [meshrun, "launch", "--nproc-per-node", str(nproc), script]
 
 
-def time_to_first_line(name: str, nproc: int, script: str, timeout: float) -> float:
+def time_to_first_line(name: str, nproc: int, script: str, timeout: float, before: str | None = None) -> float:
     with tempfile.TemporaryDirectory() as bench_dir:
         env = dict(os.environ, BENCH_DIR=bench_dir)
+        if name == "before":
+            env["PYTHONPATH"] = os.pathsep.join(filter(None, [before, env.get("PYTHONPATH")]))
         start = time.time()
         proc = subprocess.Popen(_launcher_cmd(name, nproc, script), env=env,
                                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
@@ -60,23 +68,28 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5, help="runs per launcher (alternating)")
     parser.add_argument("--nproc-per-node", type=int, default=2)
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds per run")
+    parser.add_argument("--before", metavar="SRC", help="also time `meshrun launch` from this src directory")
     args = parser.parse_args()
 
     with tempfile.TemporaryDirectory() as tmp:
         script = os.path.join(tmp, "first_line.py")
         with open(script, "w") as fp:
             fp.write(FIRST_LINE_SCRIPT)
-        times: dict[str, list[float]] = {"torchrun": [], "meshrun": []}
-        time_to_first_line("torchrun", args.nproc_per_node, script, args.timeout)  # warm caches
+        names = ["torchrun", "meshrun"] + (["before"] if args.before else [])
+        times: dict[str, list[float]] = {name: [] for name in names}
+        for name in names:  # warm caches
+            time_to_first_line(name, args.nproc_per_node, script, args.timeout, args.before)
         for i in range(args.repeats):
-            order = ("torchrun", "meshrun") if i % 2 == 0 else ("meshrun", "torchrun")
+            order = names[i % len(names):] + names[:i % len(names)]  # each launcher leads in turn
             for name in order:
-                times[name].append(time_to_first_line(name, args.nproc_per_node, script, args.timeout))
+                times[name].append(time_to_first_line(name, args.nproc_per_node, script, args.timeout, args.before))
     for name, values in times.items():
         print(f"{name:>9}: median {statistics.median(values):.3f} s  "
               f"(runs: {', '.join(f'{v:.3f}' for v in values)})")
-    ratio = statistics.median(times["meshrun"]) / statistics.median(times["torchrun"])
-    print(f"ratio meshrun/torchrun: {ratio:.3f} (target <= 1.10)")
+    torchrun = statistics.median(times["torchrun"])
+    for name in names[1:]:
+        label = "meshrun" if name == "meshrun" else f"meshrun from {args.before}"
+        print(f"ratio {label}/torchrun: {statistics.median(times[name]) / torchrun:.3f} (target <= {TARGET_RATIO})")
 
 
 if __name__ == "__main__":

@@ -16,8 +16,10 @@ import os
 import socket
 import sys
 import time
+from typing import TYPE_CHECKING
 
-from meshrun.launch.failure import ERROR_FILE, RankFailure, classify_follow_on, read_error_file
+if TYPE_CHECKING:
+    from meshrun.launch.failure import RankFailure
 
 FAILURES_FILE = "failures.log"
 
@@ -40,6 +42,8 @@ def _attempt_dirs(log_root: str, run_dir: str | None = None) -> list[str]:
 
 def attempt_failures(attempt_dir: str, exitcode: int, local_rank: int, pid: int) -> list[RankFailure]:
     """The agent's first failure plus every rank that left an error file, root cause first."""
+    from meshrun.launch.failure import ERROR_FILE, RankFailure, classify_follow_on, read_error_file
+
     failures: dict[int, RankFailure] = {}
     for rank_dir in glob.glob(os.path.join(attempt_dir, "*")):
         name = os.path.basename(rank_dir)
@@ -81,6 +85,7 @@ class AttemptRecorder(logging.Handler):
         self.stream = stream
 
     def emit(self, record: logging.LogRecord) -> None:
+        from meshrun.launch.failure import RankFailure
         from meshrun.launch.torch_elastic import agent_failure_record, run_log_dir
 
         agent = agent_failure_record(record)

@@ -4,6 +4,8 @@ The pipeline is torchrun's own (parse → config_from_args → elastic_launch), 
 torch_elastic.py; the decisions meshrun adds (auto nproc, free port, SLURM, network, tee'd and
 prefixed logs, the job's environment) are made once, in plan.py. Python workers are wrapped in
 `worker_main.py` so failures are recorded, and a failed job ends with a summary (summary.py).
+What only a failure needs is imported when it happens: the time to the user's first line is
+torchrun's plus as little as possible (benchmarks/launch_overhead.py).
 """
 
 from __future__ import annotations
@@ -17,7 +19,6 @@ from meshrun.errors import LaunchError
 from meshrun.launch import attempts
 from meshrun.launch.plan import RANK_PREFIX, WORKER_MAIN, LaunchPlan, plan_launch
 from meshrun.launch.preflight import check_rendezvous
-from meshrun.launch.summary import collect_failures, format_summary, record_launch_error
 
 __all__ = ["RANK_PREFIX", "WORKER_MAIN", "build_launch", "rendezvous_failure", "run_launch", "run_plan"]
 
@@ -29,6 +30,8 @@ def run_launch(args: argparse.Namespace) -> int:
     try:
         plan = plan_launch(args)
     except LaunchError as exc:
+        from meshrun.launch.summary import record_launch_error
+
         record_launch_error(args.log_dir or None, str(exc), "preflight")
         raise
     return run_plan(plan)
@@ -63,17 +66,23 @@ def run_plan(plan: LaunchPlan) -> int:
         config, cmd, cmd_args = build_launch(plan, log_dir)
         check_rendezvous(options)  # busy, foreign or another job's endpoint: one line, not a silent hang
     except LaunchError as exc:
+        from meshrun.launch.summary import record_launch_error
+
         record_launch_error(log_dir, str(exc), "preflight")
         raise
     recorder = attempts.install(log_dir, config.max_restarts, config.logs_specs)
     try:
         torch_elastic.run_agent(config, cmd, cmd_args, plan.env, quiet=plan.quiet_torch_logs)
     except torch_elastic.ChildFailedError as exc:
+        from meshrun.launch.summary import collect_failures, format_summary
+
         failures = collect_failures(exc, log_dir)
         sys.stdout.flush()
         print(format_summary(failures, log_dir, attempts=config.max_restarts + 1), file=sys.stderr)
         return failures[0].shell_exit_code
     except torch_elastic.RendezvousError as exc:
+        from meshrun.launch.summary import record_launch_error
+
         sys.stdout.flush()
         message = rendezvous_failure(exc, config)
         record_launch_error(log_dir, message, "rendezvous")

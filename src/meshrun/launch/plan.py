@@ -22,13 +22,14 @@ import os
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from meshrun.debug.settings import apply_launch_args
 from meshrun.launch.args import parse_nnodes, resolve_nproc_per_node
-from meshrun.launch.network import NodeNetwork, node_network, worker_socket_env
-from meshrun.launch.ports import port_in_use
-from meshrun.launch.preflight import parse_endpoint
-from meshrun.launch.slurm import SlurmJob, slurm_job, slurm_options
+
+if TYPE_CHECKING:
+    from meshrun.launch.network import NodeNetwork
+    from meshrun.launch.slurm import SlurmJob
 
 WORKER_MAIN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "worker_main.py")
 RANK_PREFIX = "[rank ${rank}] "
@@ -86,13 +87,18 @@ def plan_launch(args: argparse.Namespace, environ: Mapping[str, str] | None = No
     environ = dict(os.environ if environ is None else environ)
     options = argparse.Namespace(**vars(args))
     options.nproc_per_node = resolve_nproc_per_node(options.nproc_per_node)
-    job = slurm_job(environ)
-    vars(options).update(slurm_options(options, job))
+    job = _slurm(environ)
+    if job is not None:
+        from meshrun.launch.slurm import slurm_options
+
+        vars(options).update(slurm_options(options, job))
     parse_nnodes(options.nnodes)  # N or MIN:MAX, else one LaunchError naming the flag
     vars(options).update(_rendezvous(options))
     env: dict[str, str] = {}
     network = _network(options)
     if network is not None:
+        from meshrun.launch.network import worker_socket_env
+
         if network.is_host and "is_host" not in _rdzv_conf_keys(options.rdzv_conf):
             options.rdzv_conf = ",".join(filter(None, [options.rdzv_conf, "is_host=1"]))
         if network.local_addr and not options.local_addr:
@@ -130,10 +136,23 @@ def _rdzv_conf_keys(conf: str | None) -> set[str]:
     return {item.split("=", 1)[0].strip() for item in (conf or "").split(",") if "=" in item}
 
 
+def _slurm(environ: Mapping[str, str]) -> SlurmJob | None:
+    # slurm.py decides; it is only imported where SLURM could be (a launch's first line waits for imports)
+    if not (environ.get("SLURM_JOB_ID") or environ.get("SLURM_JOBID")):
+        return None
+    from meshrun.launch.slurm import slurm_job
+
+    return slurm_job(environ)
+
+
 def _network(options: argparse.Namespace) -> NodeNetwork | None:
     """Several nodes over c10d: host role, node address and socket interface from the routes."""
     if options.rdzv_backend != "c10d" or parse_nnodes(options.nnodes)[1] <= 1 or not options.rdzv_endpoint:
         return None
+    from meshrun.launch.network import node_network
+    from meshrun.launch.ports import port_in_use
+    from meshrun.launch.preflight import parse_endpoint
+
     host, port = parse_endpoint(options.rdzv_endpoint)
     if port == 0:
         return None

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ipaddress
 import logging
 import re
 import socket
@@ -134,6 +133,8 @@ def is_local_host(host: str) -> bool:
     """True when `host` is loopback or an address of this machine (one we can bind to)."""
     if host == "localhost":
         return True
+    import ipaddress  # only multi-node or explicit endpoints get here; a launch's start need not wait for it
+
     try:
         infos = socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
     except (socket.gaierror, UnicodeError):

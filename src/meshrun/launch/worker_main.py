@@ -1,19 +1,19 @@
 """Runs one worker's target script or module, recording a failure where the launcher finds it.
 
 Started by `meshrun launch` as `python -u worker_main.py [-m] TARGET ARGS...`. Standard library
-only, and imports nothing heavy, so user code starts as soon as it would under torchrun.
-Torchelastic's `@record` does the same job, but only for scripts that remember to use it.
+only, and imports nothing it does not need before the user's first line (json and traceback
+only on failure; meshrun.debug only when the script imports torch), so user code starts as
+soon as it would under torchrun. Torchelastic's `@record` does the same job, but only for
+scripts that remember to use it.
 """
 
 from __future__ import annotations
 
 import faulthandler
-import json
 import os
 import runpy
 import sys
 import time
-import traceback
 
 _SKIP_FILES = {os.path.abspath(__file__), os.path.abspath(runpy.__file__), "<frozen runpy>"}
 _LIBRARY_DIRS = tuple(
@@ -35,6 +35,8 @@ def _user_traceback(exc: BaseException):
 
 
 def _frames(tb) -> list[tuple[str, int, str]]:
+    import traceback
+
     return [(fs.filename, fs.lineno or 0, fs.name) for fs in traceback.extract_tb(tb)]
 
 
@@ -57,6 +59,8 @@ def _write_error_file(exc: BaseException, tb, formatted: str, hint: str | None =
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not path:
         return
+    import json
+
     frames = _frames(tb)
     user = [f for f in frames if _is_user_file(f[0])]
     site = (user or frames or [("<unknown>", 0, "<module>")])[-1]
@@ -108,12 +112,34 @@ def _die_with_agent() -> None:
         pass
 
 
+class _DebugWhenTorchImports:
+    """A meta path finder that installs meshrun.debug's hooks when the script first imports torch.
+
+    The hooks only act on torch (its collectives and optimizers); importing them costs tens of
+    milliseconds that a script's first line need not wait for, and a script without torch never pays.
+    """
+
+    def find_spec(self, name, path=None, target=None):  # noqa: ANN001 - finder protocol
+        if name != "torch":
+            return None
+        sys.meta_path.remove(self)
+        from meshrun.debug.hooks import install_import_hook
+
+        install_import_hook()  # puts its own finder, which wraps torch's import, first on sys.meta_path
+        import importlib.util
+
+        return importlib.util.find_spec(name)
+
+
 def _install_debug() -> None:
     """Hang watchdog and --debug collectives (meshrun.debug), only when the launcher asked."""
     if os.environ.get("MESHRUN_DEBUG") or os.environ.get("MESHRUN_HANG_TIMEOUT", "0") not in ("0", ""):
-        from meshrun.debug.hooks import install_import_hook
+        if "torch" in sys.modules:
+            from meshrun.debug.hooks import install_import_hook
 
-        install_import_hook()
+            install_import_hook()
+        else:
+            sys.meta_path.insert(0, _DebugWhenTorchImports())
 
 
 def run(argv: list[str]) -> int:
@@ -147,6 +173,8 @@ def run(argv: list[str]) -> int:
         print(code, file=sys.stderr)
         return 1
     except BaseException as exc:  # noqa: BLE001 - every failure must be recorded
+        import traceback
+
         _mark_runtime_failed()
         tb = _user_traceback(exc)
         formatted = "".join(traceback.format_exception(type(exc), exc, tb))
