@@ -1,7 +1,7 @@
 """Check the rendezvous before the elastic agent starts, so that its traps fail in seconds.
 
-torch 2.13's rendezvous has traps that make torchrun hang or fail late (docs/errors.md, "Launch,
-ports, restarts"):
+torch 2.13's rendezvous has traps that make torchrun hang or fail late (docs/errors.md,
+"Rendezvous traps on torch 2.13"):
 
 * an `--rdzv-endpoint` port held by a program that is not a c10d store: torchrun hangs without
   a word (still hung after 700 s);
