@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import faulthandler
 import os
-import runpy
 import sys
 import time
 
-_SKIP_FILES = {os.path.abspath(__file__), os.path.abspath(runpy.__file__), "<frozen runpy>"}
+_RUNPY = os.path.join(os.path.dirname(os.path.abspath(os.__file__)), "runpy.py")  # not imported for a .py
+_SKIP_FILES = {os.path.abspath(__file__), _RUNPY, "<frozen runpy>"}
 _LIBRARY_DIRS = tuple(
     {os.path.abspath(p) for p in (sys.prefix, sys.base_prefix, sys.exec_prefix)}
     | {os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep}  # meshrun itself
@@ -142,6 +142,27 @@ def _install_debug() -> None:
             sys.meta_path.insert(0, _DebugWhenTorchImports())
 
 
+def _run_script(path: str) -> None:
+    """`runpy.run_path(path, run_name="__main__")` for a .py file, as `python path` runs it.
+
+    runpy and the pkgutil it imports cost more than a script's own start-up; a plain .py file
+    needs none of what they add (directories, zip files, compiled files still go through runpy).
+    """
+    import io
+    import types
+
+    with io.open_code(os.path.abspath(path)) as fp:
+        code = compile(fp.read(), path, "exec")
+    module = types.ModuleType("__main__")
+    module.__dict__.update(__file__=path, __cached__=None, __package__="")
+    saved = sys.modules.get("__main__")
+    sys.modules["__main__"] = module  # pickle and multiprocessing find the script's own __main__
+    try:
+        exec(code, module.__dict__)
+    finally:
+        sys.modules["__main__"] = saved
+
+
 def run(argv: list[str]) -> int:
     """Run `[-m] TARGET ARGS...` as `__main__`; return the process exit code."""
     as_module = bool(argv) and argv[0] == "-m"
@@ -158,11 +179,18 @@ def run(argv: list[str]) -> int:
         if as_module:
             sys.argv = [target, *args]
             sys.path[0] = os.getcwd()
+            import runpy
+
             runpy.run_module(target, run_name="__main__", alter_sys=True)
         else:
             sys.argv = [target, *args]
             sys.path[0] = os.path.dirname(os.path.abspath(target))
-            runpy.run_path(target, run_name="__main__")
+            if target.endswith(".py") and os.path.isfile(target):
+                _run_script(target)
+            else:
+                import runpy
+
+                runpy.run_path(target, run_name="__main__")
     except SystemExit as exc:
         code = exc.code
         if code is None or code == 0:
