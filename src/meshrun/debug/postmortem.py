@@ -2,7 +2,9 @@
 
 A log root is what `meshrun launch --log-dir` (or `meshrun train`'s RUN_DIR/logs) holds:
 `<run id>/attempt_N/<local rank>/{stdout.log,stderr.log,error.json}`, plus failures.json
-written by the launcher with each rank's exit code or signal.
+written by the launcher with each rank's exit code or signal. Each rank is read into the
+launcher's own failure type (launch/failure.py: the same reading, ordering and wording as the
+launch summary) and classified by debug/classify.py.
 """
 
 from __future__ import annotations
