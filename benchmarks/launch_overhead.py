@@ -5,8 +5,9 @@
 
 Both launchers start the same 2-process script, alternating run by run so machine noise hits
 both alike. The script's first line records time.time(); the figure per run is the latest
-rank's first line minus the moment the launcher was started. Prints the medians and the ratio
-meshrun / torchrun (target <= 1.05). --before SRC adds a third launcher, `meshrun launch` with
+rank's first line minus the moment the launcher was started. Prints the medians, the ratio
+meshrun / torchrun (target <= 1.05), and the median of per-round ratios (steadier when the
+machine's load swings). --before SRC adds a third launcher, `meshrun launch` with
 PYTHONPATH=SRC (e.g. `git archive HEAD~1 src | tar -x -C /tmp/old`), interleaved with the
 other two, to measure a change. Every run is bounded by --timeout and killed by pid.
 """
@@ -89,7 +90,11 @@ def main() -> None:
     torchrun = statistics.median(times["torchrun"])
     for name in names[1:]:
         label = "meshrun" if name == "meshrun" else f"meshrun from {args.before}"
-        print(f"ratio {label}/torchrun: {statistics.median(times[name]) / torchrun:.3f} (target <= {TARGET_RATIO})")
+        # Per-round ratios pair runs made seconds apart, so that slow swings of a shared machine's
+        # load cancel; the ratio of medians is the headline figure.
+        paired = statistics.median(m / t for m, t in zip(times[name], times["torchrun"], strict=True))
+        print(f"ratio {label}/torchrun: {statistics.median(times[name]) / torchrun:.3f} "
+              f"(median of per-round ratios {paired:.3f}; target <= {TARGET_RATIO})")
 
 
 if __name__ == "__main__":
