@@ -10,7 +10,7 @@ end of start-up (model materialised, optimizer built, before the first forward),
 first step, after the last step, and after the final weights are saved (rank 0 gathers the
 whole model there); the trainer writes them to metrics.jsonl (`rss_*` in the "end" record).
 Printed per rank: each peak above the runtime, in MiB, and its ratio to the one-process run.
-Targets (issue 11): start-up <= 1/N + 0.10, and the training peak of FSDP 2 <= 0.60. The last
+Targets: start-up <= 1/N + 0.10, and the training peak of FSDP 2 <= 0.60. The last
 columns are `meshrun plan`'s estimate for the layout (state + activations, and with FSDP's
 gather buffers) to compare with what the rank really held.
 """

@@ -44,8 +44,8 @@ if mode == "data":
 print("finished", flush=True)
 """
 EXTRA_LINE = SCENARIOS.splitlines().index("            dist.all_reduce(x)  # EXTRA-CALL") + 1
-# The acceptance bound, from the fault to the job's end (start-up is not part of it).
-REPORT_WITHIN_S = 30
+# How fast the report comes after the fault is measured by benchmarks/diagnostics.py (fault to
+# report); here a run is only bounded, so that a report that never comes fails the test.
 OMP = {"OMP_NUM_THREADS": "1"}
 
 
@@ -70,7 +70,7 @@ def test_stalled_rank_hang_watchdog_dumps_every_stack(tmp_path):
     result, logs, since_fault = _launch(tmp_path, "stall", "--hang-timeout", "20")
     out = result.output
     assert result.returncode != 0, out
-    assert since_fault is not None and since_fault < REPORT_WITHIN_S, (since_fault, out)
+    assert since_fault is not None, out  # the stall happened, and the job ended (bounded by _launch)
     for rank in (0, 1):  # every rank's stack, with the stalled function named
         assert f"[rank {rank}] meshrun: rank {rank}'s Python stacks, every thread:" in out, out
     assert "in wait_for_ever" in out and "in <module>" in out
@@ -87,7 +87,7 @@ def test_extra_all_reduce_is_named_with_rank_and_line(tmp_path):
     result, logs, since_fault = _launch(tmp_path, "extra", "--debug", "collectives")
     out = result.output
     assert result.returncode != 0, out
-    assert since_fault is not None and since_fault < REPORT_WITHIN_S, (since_fault, out)
+    assert since_fault is not None, out
     assert "Rank 1 failed first" in out, out
     assert "rank 1 diverged first: its #3 all_reduce(float32[4]) at " in out, out
     assert f"scenario.py:{EXTRA_LINE} in <module> is from a line rank 0 never calls a collective from" in out

@@ -93,14 +93,15 @@ def test_two_jobs_started_together_both_succeed(tmp_path):
 
 
 def test_rank_raising_is_summarized_with_rank_type_message_and_site(write_script):
+    # Rank 0 fails a moment later (connection closed by the dead peer), and the agent may SIGTERM
+    # rank 1 while it is still exiting: either way rank 1 raised, and the summary must say so
+    # (the exact inputs of that race: tests/unit/test_launch_failure.py).
     script = write_script("fails.py", FAILING_SCRIPT)
-    start = time.monotonic()
     result = meshrun("launch", "--nproc-per-node", "2", str(script), "raise", timeout=120)
-    elapsed = time.monotonic() - start
-    assert result.returncode != 0
-    assert elapsed < 60, elapsed
+    assert result.returncode == 1, result.output  # the rank's own exit code, whatever the agent sent it
     headline = next(line for line in result.stderr.splitlines() if "failed first" in line)
-    assert "Rank 1 failed first" in headline and "exit code 1" in headline, result.stderr
+    assert "Rank 1 failed first" in headline and "raised ValueError" in headline, result.stderr
+    assert "killed by" not in headline, result.stderr
     assert "ValueError: bad batch at step 3" in result.stderr
     assert f"at {script}:12 in <module>" in result.stderr, result.stderr
     assert "rank 1 reached step 3" in result.stderr.split("failed first")[1]  # last output lines
@@ -170,11 +171,11 @@ def test_min_world_size_under_plain_python_gives_the_launch_command(write_script
 def test_sys_exit_nonzero_on_one_rank_fails_the_job_fast(write_script):
     script = write_script("exits.py", "import sys, meshrun\nenv = meshrun.init()\n"
                                       "if env.rank == 1:\n    sys.exit(3)\nprint('rank', env.rank, 'done')\n")
-    start = time.monotonic()
+    # A failing rank that sat in the shutdown barrier would hold the job until the collective
+    # timeout (10 min by default here): the 120 s bound catches that; how fast it ends is not asserted.
     result = meshrun("launch", "--nproc-per-node", "2", str(script), timeout=120)
     assert result.returncode == 3, result.output
     assert "Rank 1 failed first" in result.stderr and "exit code 3" in result.stderr
-    assert time.monotonic() - start < 25  # the failing rank does not sit in the shutdown barrier
 
 
 def _alive(pid: int) -> bool:

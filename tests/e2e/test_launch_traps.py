@@ -1,5 +1,8 @@
-"""The rendezvous traps of torch 2.13 (../shared/FIELD-NOTES.md) and plain `python` on a torchrun
-script, end to end: real agents, real holders of the port, real workers."""
+"""The rendezvous traps of torch 2.13 (docs/errors.md) and plain `python` on a torchrun script,
+end to end: real agents, real holders of the port, real workers.
+
+How fast a trap is refused is measured by benchmarks/launch_preflight.py; here each run is only
+bounded (a trap that is not caught hangs: the bound fails the test)."""
 
 from __future__ import annotations
 
@@ -14,10 +17,6 @@ import pytest
 from conftest import BIN, kill_tree, meshrun, run_proc
 
 from meshrun.launch.ports import free_port
-
-# The preflight answers within 10 s (unit tests time it); the rest is the CLI importing torch,
-# which takes seconds more on a loaded machine.
-REFUSED_WITHIN_S = 40
 
 SILENT_HOLDER = """\
 import socket, sys, time
@@ -95,17 +94,14 @@ def test_rdzv_port_held_by_a_silent_program_is_refused_not_hung(tmp_path, write_
     holder = _popen([sys.executable, "-c", SILENT_HOLDER])
     try:
         port = int(holder.stdout.readline())
-        start = time.monotonic()
         result = meshrun(*_launch_args(f"127.0.0.1:{port}", "job1"), "--log-dir", str(tmp_path / "logs"),
                          str(script), timeout=120)
-        elapsed = time.monotonic() - start
     finally:
         kill_tree(holder.pid)
         holder.communicate()
-    print(f"held rdzv port: refused after {elapsed:.1f}s end to end")
     line = _one_line(result)
     assert f"port {port} is held by pid {holder.pid}" in line and "not a torch c10d store" in line
-    assert "choose another port" in line and elapsed < REFUSED_WITHIN_S
+    assert "choose another port" in line
     _diagnosed_as(tmp_path / "logs", "port conflict")
 
 
@@ -119,19 +115,16 @@ def test_second_job_on_a_running_jobs_endpoint_is_refused(tmp_path, write_script
         while not (tmp_path / "a").exists():
             assert job_a.poll() is None and time.monotonic() < deadline, job_a.communicate()
             time.sleep(0.2)
-        start = time.monotonic()
         other_id = meshrun(*_launch_args(endpoint, "jobB"), "--log-dir", str(tmp_path / "logs"), str(sleeper),
                            str(tmp_path / "b"), timeout=120)
-        elapsed = time.monotonic() - start
         same_id = meshrun(*_launch_args(endpoint, "jobA"), str(sleeper), str(tmp_path / "c"), timeout=120)
         assert job_a.poll() is None  # job A is untouched
     finally:
         kill_tree(job_a.pid)
         job_a.communicate()
-    print(f"shared endpoint: refused after {elapsed:.1f}s end to end")
     line = _one_line(other_id)
     assert f"--rdzv-endpoint {endpoint} is already used by another job (rdzv-id jobA" in line
-    assert "--rdzv-id jobA to join it" in line and elapsed < REFUSED_WITHIN_S
+    assert "--rdzv-id jobA to join it" in line
     assert "the same --rdzv-id jobA" in _one_line(same_id)  # one node: no second node to be
     assert not (tmp_path / "b").exists() and not (tmp_path / "c").exists()
     _diagnosed_as(tmp_path / "logs", "port conflict")

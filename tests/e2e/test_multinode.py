@@ -1,7 +1,7 @@
 """Several nodes on one machine: two `meshrun launch` agents joined by c10d rendezvous.
 
 On loopback; across two network namespaces joined by a veth pair (as root), where torchrun by
-hand fails (../shared/FIELD-NOTES.md, "Two hosts on one machine"); and elastic membership:
+hand fails (docs/multinode.md); and elastic membership:
 a node killed mid-run leaves the other to continue alone, or end with one clear line when the
 minimum of nodes can no longer be met.
 """
@@ -242,11 +242,9 @@ def test_elastic_minimum_not_met_ends_with_one_line(tmp_path, write_script):
     extra = ["--hang-timeout", "0", "--rdzv-conf", f"{FAST_RDZV},join_timeout=15"]
     procs, logs = _elastic_pair(tmp_path, script, "2", extra)
     try:
-        killed_at = time.monotonic()
         os.killpg(procs[1].pid, signal.SIGKILL)
         kill_tree(procs[1].pid)
-        code = _wait(procs[0], NODE_TIMEOUT_S, logs[0])
-        ended_after = time.monotonic() - killed_at
+        code = _wait(procs[0], NODE_TIMEOUT_S, logs[0])  # bounded: a node that waits for ever fails here
     finally:
         for p in procs:
             kill_tree(p.pid)
@@ -255,7 +253,6 @@ def test_elastic_minimum_not_met_ends_with_one_line(tmp_path, write_script):
     lines = [line for line in text.splitlines() if "meshrun: rendezvous" in line]
     assert len(lines) == 1 and "timed out" in lines[0] and "join_timeout=15s" in lines[0], text
     assert "--nnodes 1:2" in lines[0] and "Traceback" not in text.split("restarting")[-1], text
-    assert ended_after < 90, ended_after  # join_timeout 15 s, plus the restart and agent start
 
 
 @pytest.mark.timeout(3 * NODE_TIMEOUT_S)

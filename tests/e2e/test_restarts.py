@@ -1,6 +1,6 @@
 """Elastic restarts end to end: one injected crash, recovered by the first restart, on record.
 
-torch 2.13's defaults hang on a stale store in about 3 of 8 restarts (../shared/FIELD-NOTES.md);
+torch 2.13's defaults hang on a stale store in about 3 of 8 restarts (measured here, see docs/multinode.md);
 meshrun launch sets TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1. The default test runs one crash by
 exception and one by SIGKILL; MESHRUN_RESTART_RUNS=10 repeats the pair until 10 runs are done
 (the acceptance figure: 10 of 10 recover on the first restart).

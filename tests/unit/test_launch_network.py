@@ -6,7 +6,6 @@ import os
 
 import pytest
 
-from meshrun.launch import launcher
 from meshrun.launch.args import build_parser
 from meshrun.launch.network import (
     NodeNetwork,
@@ -15,6 +14,7 @@ from meshrun.launch.network import (
     route_source,
     worker_socket_env,
 )
+from meshrun.launch.plan import plan_launch
 
 
 def _own_non_loopback_address() -> tuple[str, str] | None:
@@ -53,25 +53,23 @@ def test_user_interface_choice_wins():
     assert worker_socket_env(NodeNetwork(None, None, None), {}) == {}
 
 
-def test_multinode_launch_sets_address_and_interface_but_keeps_user_settings(monkeypatch):
-    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "unset")  # recorded, so that teardown restores it
-    monkeypatch.delenv("GLOO_SOCKET_IFNAME")
+def test_multinode_plan_sets_address_and_interface_but_keeps_user_settings(monkeypatch):
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
     monkeypatch.setenv("NCCL_SOCKET_IFNAME", "ib0")
     args = build_parser().parse_args(["--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint",
                                       "127.0.0.1:29999", "x.py"])
-    launcher._configure_network(args)
-    assert args.local_addr == "127.0.0.1" and os.environ["GLOO_SOCKET_IFNAME"] == "lo"
-    assert os.environ["NCCL_SOCKET_IFNAME"] == "ib0"
-    single = build_parser().parse_args(["--nnodes", "1", "--local-addr", "h", "x.py"])
-    launcher._configure_network(single)
-    assert single.local_addr == "h"
+    plan = plan_launch(args)
+    assert plan.options.local_addr == "127.0.0.1" and plan.env["GLOO_SOCKET_IFNAME"] == "lo"
+    assert "NCCL_SOCKET_IFNAME" not in plan.env  # the user's ib0 stays
+    assert args.local_addr is None and "GLOO_SOCKET_IFNAME" not in os.environ  # planning changes nothing
+    single = plan_launch(build_parser().parse_args(["--nnodes", "1", "--local-addr", "h", "x.py"]))
+    assert single.options.local_addr == "h" and single.network is None
 
 
 def test_restart_setting_is_set_unless_the_user_chose(monkeypatch):
-    monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "unset")  # recorded for teardown
-    monkeypatch.delenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE")
-    launcher._reliable_restarts()
-    assert os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"
+    monkeypatch.delenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", raising=False)
+    args = build_parser().parse_args(["--nproc-per-node", "1", "x.py"])
+    assert plan_launch(args).env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"
+    assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" not in os.environ
     monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "0")
-    launcher._reliable_restarts()
-    assert os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "0"
+    assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" not in plan_launch(args).env

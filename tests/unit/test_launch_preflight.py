@@ -1,4 +1,8 @@
-"""Rendezvous preflight (real sockets and a real TCPStore) and the plain-python explanation."""
+"""Rendezvous preflight (real sockets and a real TCPStore) and the plain-python explanation.
+
+How fast each verdict comes is measured in benchmarks/launch_preflight.py, not asserted here:
+these tests check what is decided; pytest's per-test timeout bounds a hang.
+"""
 
 from __future__ import annotations
 
@@ -8,25 +12,14 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 
 import pytest
 import torch.distributed as dist
 
 from meshrun.errors import LaunchError
-from meshrun.launch import plain_python
-from meshrun.launch.preflight import (
-    EMPTY_STORE_GRACE_S,
-    check_rendezvous,
-    is_local_host,
-    parse_endpoint,
-)
-
-DETECT_WITHIN_S = 10.0  # issue 6: the held-port and shared-endpoint cases answer within 10 s
-# The store tests run a real TCPStore in this process. Its server resolves each client's address
-# before answering (torch logs it), which on a flaky resolver adds seconds: times are printed, and
-# bounded only where the bound is the point.
-NEVER_HANGS_S = 30.0
+from meshrun.launch import plain_python, preflight
+from meshrun.launch.preflight import check_rendezvous, is_local_host, parse_endpoint
+from meshrun.launch.store_probe import c10d_handshake
 
 
 def launch_args(endpoint: str, *, rdzv_id: str = "mine", nnodes: str = "1", backend: str = "c10d",
@@ -36,20 +29,19 @@ def launch_args(endpoint: str, *, rdzv_id: str = "mine", nnodes: str = "1", back
                               standalone=False)
 
 
-def refusal(args: argparse.Namespace) -> tuple[str, float]:
-    start = time.monotonic()
+def refusal(args: argparse.Namespace) -> str:
     with pytest.raises(LaunchError) as info:
         check_rendezvous(args)
     message = str(info.value)
     assert "\n" not in message
-    return message, time.monotonic() - start
+    return message
 
 
 # --- endpoint syntax ------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("endpoint", [":29400", " :29400", "[]:29400"])
 def test_empty_host_names_master_addr(endpoint):
-    message, _ = refusal(launch_args(endpoint, nnodes="2"))
+    message = refusal(launch_args(endpoint, nnodes="2"))
     assert "has no host" in message and "$MASTER_ADDR" in message and "node 0's address" in message
 
 
@@ -60,7 +52,7 @@ def test_empty_host_names_master_addr(endpoint):
     ("no de:29400", ["'no de' is not a host name"]),
 ])
 def test_malformed_endpoint_says_what_and_how(endpoint, words):
-    message, _ = refusal(launch_args(endpoint, nnodes="2"))
+    message = refusal(launch_args(endpoint, nnodes="2"))
     assert message.startswith(f"--rdzv-endpoint {endpoint!r}")
     for word in words:
         assert word in message
@@ -79,7 +71,7 @@ def test_parse_endpoint_reads_like_torch(endpoint, expected):
 
 def test_empty_master_addr_with_static_backend():
     args = launch_args("", backend="static", master_addr="", nnodes="2")
-    message, _ = refusal(args)
+    message = refusal(args)
     assert "--master-addr is empty" in message and "$MASTER_ADDR" in message
 
 
@@ -137,11 +129,9 @@ class Holder:
 def test_foreign_program_on_the_port_is_named_within_seconds(mode):
     holder = Holder(mode)
     try:
-        message, elapsed = refusal(launch_args(f"127.0.0.1:{holder.port}"))
+        message = refusal(launch_args(f"127.0.0.1:{holder.port}"))
     finally:
         holder.close()
-    print(f"foreign holder ({mode}): refused in {elapsed:.2f}s")
-    assert elapsed < DETECT_WITHIN_S, elapsed
     # No thread is left inside torch's client: one would abort the interpreter at exit.
     assert not [t for t in threading.enumerate() if t.name.startswith("meshrun-store")]
     assert f"port {holder.port} is held by pid {holder.proc.pid} (" in message, message
@@ -152,26 +142,36 @@ def test_bound_but_not_listening_port():
     with socket.socket() as sock:
         sock.bind(("", 0))
         port = sock.getsockname()[1]
-        message, elapsed = refusal(launch_args(f"localhost:{port}"))
-    assert elapsed < 2 and f"port {port} is bound on this host but accepts no connections" in message
+        message = refusal(launch_args(f"localhost:{port}"))
+    assert f"port {port} is bound on this host but accepts no connections" in message
 
 
-def test_free_port_and_port_zero_pass_at_once():
+def test_free_port_and_port_zero_pass_without_a_probe(monkeypatch):
     with socket.socket() as sock:
         sock.bind(("", 0))
         port = sock.getsockname()[1]
-    start = time.monotonic()
-    check_rendezvous(launch_args(f"127.0.0.1:{port}", nnodes="2"))
-    check_rendezvous(launch_args("localhost:0"))
-    check_rendezvous(argparse.Namespace(standalone=True))
-    assert time.monotonic() - start < 1
+    monkeypatch.setattr(preflight, "probe_store", lambda *a, **k: pytest.fail("a free port needs no probe"))
+    assert check_rendezvous(launch_args(f"127.0.0.1:{port}", nnodes="2")) == preflight.WILL_HOST
+    assert check_rendezvous(launch_args("localhost:0")) == preflight.AGENT_BINDS
+    assert check_rendezvous(argparse.Namespace(standalone=True)) == preflight.STANDALONE
 
 
-def test_remote_endpoint_with_nobody_listening_passes():
+def test_remote_endpoint_with_nobody_listening_passes(monkeypatch):
     # Node 0 not up yet (or unreachable): the agent waits for it; the preflight must not.
-    start = time.monotonic()
-    check_rendezvous(launch_args("192.0.2.1:29400", nnodes="2"))
-    assert time.monotonic() - start < 5
+    monkeypatch.setattr(preflight, "probe_store", lambda *a, **k: pytest.fail("nobody listens: no probe"))
+    assert check_rendezvous(launch_args("192.0.2.1:29400", nnodes="2")) == preflight.NOT_UP_YET
+
+
+def test_busy_master_port_is_refused_naming_the_holder():
+    with socket.socket() as sock:
+        sock.bind(("", 0))
+        sock.listen(1)
+        port = sock.getsockname()[1]
+        args = launch_args("", backend="static", nnodes="2")
+        args.master_port = port
+        message = refusal(args)
+    assert message.startswith(f"--master-port: port {port} is already in use by pid {os.getpid()}")
+    assert f"--master-port {port + 1}" in message
 
 
 # --- a live c10d store: whose rendezvous is it? ------------------------------------------------------
@@ -186,59 +186,48 @@ def store():
 @pytest.mark.parametrize("use_libuv", [True, False])
 def test_handshake_recognizes_both_store_backends(use_libuv):
     # The handshake is torch's wire protocol spoken by hand: this fails first if torch changes it.
-    from meshrun.launch.preflight import c10d_handshake
-
     master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, use_libuv=use_libuv)
-    start = time.monotonic()
     assert all(c10d_handshake("127.0.0.1", master.port) for _ in range(20))
-    print(f"20 handshakes (libuv={use_libuv}): {time.monotonic() - start:.3f}s")
     del master
 
 
 def test_store_of_another_run_id_is_refused(store):
     store.set("torch.rendezvous.jobA", "state")
     store.set("torch.rendezvous.jobA.0/MASTER_PORT", "1")
-    message, elapsed = refusal(launch_args(f"127.0.0.1:{store.port}", rdzv_id="jobB", nnodes="2"))
-    print(f"another job's store: refused in {elapsed:.2f}s")
-    assert elapsed < NEVER_HANGS_S  # ~0.05 s; more only when the resolver stalls (see above)
+    message = refusal(launch_args(f"127.0.0.1:{store.port}", rdzv_id="jobB", nnodes="2"))
     assert f"--rdzv-endpoint 127.0.0.1:{store.port} is already used by another job (rdzv-id jobA" in message
     assert "choose another port, or --rdzv-id jobA to join it" in message
 
 
 def test_second_node_of_the_same_job_joins(store):
     store.set("torch.rendezvous.jobA", "state")
-    start = time.monotonic()
-    check_rendezvous(launch_args(f"127.0.0.1:{store.port}", rdzv_id="jobA", nnodes="2"))
-    check_rendezvous(launch_args(f"127.0.0.1:{store.port}", rdzv_id="jobA", nnodes="1:4"))
-    print(f"second node's two checks: {time.monotonic() - start:.2f}s")
+    assert check_rendezvous(launch_args(f"127.0.0.1:{store.port}", rdzv_id="jobA", nnodes="2")) == preflight.JOINS
+    assert check_rendezvous(launch_args(f"127.0.0.1:{store.port}", rdzv_id="jobA", nnodes="1:4")) == preflight.JOINS
 
 
 def test_single_node_job_with_the_same_id_is_refused(store):
     # e.g. two single-node jobs with `--rdzv-backend c10d` and no endpoint: both localhost:29400, id "none"
     store.set("torch.rendezvous.none", "state")
-    message, _ = refusal(launch_args(f"localhost:{store.port}", rdzv_id="none"))
+    message = refusal(launch_args(f"localhost:{store.port}", rdzv_id="none"))
     assert "already used by another job (the same --rdzv-id none" in message
     assert "leave --rdzv-endpoint out" in message
 
 
 def test_store_without_rendezvous_keys_is_another_job(store):
     store.set("/default_pg/0//key", "x")  # e.g. a static-backend job's MASTER_PORT store
-    message, _ = refusal(launch_args(f"127.0.0.1:{store.port}", nnodes="2"))
+    message = refusal(launch_args(f"127.0.0.1:{store.port}", nnodes="2"))
     assert "already used by another job (a store with no c10d rendezvous in it" in message
 
 
 def test_empty_store_waits_for_node_0_to_write_its_key(store):
     # Node 0's agent binds the port a moment before it writes its rendezvous key.
+    # Had it not waited, it would have seen an empty store (EMPTY_STORE), not this job's (JOINS).
     threading.Timer(0.5, store.set, args=("torch.rendezvous.jobA", "state")).start()
-    start = time.monotonic()
-    check_rendezvous(launch_args(f"127.0.0.1:{store.port}", rdzv_id="jobA", nnodes="2"))
-    print(f"empty store, key after 0.5 s: passed in {time.monotonic() - start:.2f}s")
+    assert check_rendezvous(launch_args(f"127.0.0.1:{store.port}", rdzv_id="jobA", nnodes="2")) == preflight.JOINS
 
 
 def test_empty_store_passes_after_the_grace(store):
-    start = time.monotonic()
-    check_rendezvous(launch_args(f"127.0.0.1:{store.port}", nnodes="2"))
-    assert EMPTY_STORE_GRACE_S <= time.monotonic() - start
+    assert check_rendezvous(launch_args(f"127.0.0.1:{store.port}", nnodes="2")) == preflight.EMPTY_STORE
 
 
 # --- plain python ------------------------------------------------------------------------------------
@@ -283,13 +272,12 @@ def test_launch_command_quotes_arguments():
 
 def test_remote_endpoint_answering_as_something_else_only_warns(monkeypatch, caplog):
     # A remote host cannot be told apart from a proxy that accepts every connection: warn, go on.
-    from meshrun.launch import preflight
-
     holder = Holder("silent")
     monkeypatch.setattr(preflight, "is_local_host", lambda host: False)
     try:
-        check_rendezvous(launch_args(f"127.0.0.1:{holder.port}", nnodes="2"))
+        verdict = check_rendezvous(launch_args(f"127.0.0.1:{holder.port}", nnodes="2"))
     finally:
         holder.close()
+    assert verdict == preflight.NOT_A_STORE_REMOTE
     assert "answers, but not as a torch c10d store" in caplog.text
 

@@ -8,7 +8,8 @@ from meshrun.cli.train import _launch_argv_from_config
 from meshrun.config import load_config
 from meshrun.errors import LaunchError
 from meshrun.launch.args import build_parser
-from meshrun.launch.slurm import SLURM_PORT_BASE, apply_slurm, expand_hostlist, slurm_job
+from meshrun.launch.plan import plan_launch
+from meshrun.launch.slurm import SLURM_PORT_BASE, expand_hostlist, slurm_job, slurm_options
 
 JOB = {"SLURM_JOB_ID": "4242", "SLURM_NNODES": "4", "SLURM_NODEID": "2",
        "SLURM_JOB_NODELIST": "gpu[07-08,10],cpu3", "SLURM_NTASKS_PER_NODE": "1", "SLURM_GPUS_ON_NODE": "8"}
@@ -69,19 +70,29 @@ def _parse(*argv: str):
 
 def test_launch_options_derived_from_slurm():
     args = _parse("--nproc-per-node", "2")
-    job = apply_slurm(args, JOB)
+    job = slurm_job(JOB)
     assert job is not None
-    assert (args.nnodes, args.rdzv_backend, args.rdzv_id) == ("4", "c10d", "4242")
-    assert args.rdzv_endpoint == job.endpoint
+    options = slurm_options(args, job)
+    assert options == {"nnodes": "4", "rdzv_backend": "c10d", "rdzv_id": "4242", "rdzv_endpoint": job.endpoint}
+    assert (args.nnodes, args.rdzv_backend) == ("1:1", "static")  # the namespace itself is not changed
+
+
+def test_launch_plan_takes_slurms_nodes_and_leaves_the_namespace_alone():
+    args = _parse("--nproc-per-node", "2", "--rdzv-endpoint", "127.0.0.1:29400")  # no DNS lookup of gpu07
+    before = vars(args).copy()
+    plan = plan_launch(args, {**JOB, "PATH": "/usr/bin"})
+    assert plan.slurm is not None and plan.slurm.node_id == 2
+    assert (plan.nnodes, plan.options.rdzv_backend, plan.options.rdzv_id) == ("4", "c10d", "4242")
+    assert plan.options.rdzv_endpoint == "127.0.0.1:29400"  # given on the command line: it wins
+    assert vars(args) == before
 
 
 def test_explicit_options_win_over_slurm():
+    job = slurm_job(JOB)
     args = _parse("--nnodes", "1:4", "--rdzv-backend", "c10d", "--rdzv-endpoint", "head:29400", "--rdzv-id", "mine")
-    apply_slurm(args, JOB)
-    assert (args.nnodes, args.rdzv_endpoint, args.rdzv_id) == ("1:4", "head:29400", "mine")
+    assert slurm_options(args, job) == {"rdzv_backend": "c10d"}
     static = _parse("--master-addr", "10.0.0.1", "--master-port", "29500", "--nnodes", "2")
-    apply_slurm(static, JOB)
-    assert static.rdzv_backend == "static" and static.rdzv_endpoint == ""
+    assert slurm_options(static, job) == {}
 
 
 def test_train_leaves_default_launch_keys_for_slurm_to_fill():

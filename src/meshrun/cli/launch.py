@@ -11,7 +11,7 @@ from meshrun.launch.launcher import run_launch
 
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
-    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from meshrun.launch.torch_elastic import SignalException
 
     try:
         return run_launch(args)

@@ -18,8 +18,8 @@ from pathlib import Path
 from meshrun.config import JobConfig, load_config, save_config
 from meshrun.errors import ConfigError
 from meshrun.launch.args import build_parser as build_launch_parser
-from meshrun.launch.launcher import run_launch
-from meshrun.launch.slurm import apply_slurm
+from meshrun.launch.launcher import run_plan
+from meshrun.launch.plan import plan_launch
 from meshrun.train.preflight import preflight
 
 # Launch options that make no sense here: the training target is meshrun's own worker.
@@ -118,8 +118,8 @@ def main(argv: list[str]) -> int:
     cfg = load_config(args.config, overrides)
     launch_argv = _launch_argv_from_config(cfg, cli_launch) + cli_launch
     launch_args = build_launch_parser().parse_args(launch_argv + ["-m", "meshrun.train.worker"])
-    apply_slurm(launch_args)  # before the layout check: SLURM may say there are several nodes
-    preflight(cfg, nproc_per_node=launch_args.nproc_per_node, nnodes=launch_args.nnodes)
+    plan = plan_launch(launch_args)  # before the layout check: SLURM may say there are several nodes
+    preflight(cfg, nproc_per_node=plan.nproc_per_node, nnodes=plan.nnodes)
     from meshrun.checkpoint.verify import check_resume  # torch: imported only once the input parsed
     from meshrun.data.tokenizer import load_tokenizer
     from meshrun.models.factory import build_model
@@ -136,16 +136,13 @@ def main(argv: list[str]) -> int:
     else:
         run_dir = make_run_dir(cfg)
     save_config(cfg, run_dir / "config.toml")
-    launch_args.training_script_args = ["--run-dir", str(run_dir)]
-    if not launch_args.log_dir:
-        launch_args.log_dir = str(run_dir / "logs")
+    plan = plan.with_run(log_dir=plan.log_dir or str(run_dir / "logs"), script_args=["--run-dir", str(run_dir)])
     print(f"meshrun train: run directory {run_dir}", file=sys.stderr)
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-
     from meshrun.checkpoint.preemption import preempted_exit_code
+    from meshrun.launch.torch_elastic import SignalException
 
     started = time.time()
     try:
-        return run_launch(launch_args)
+        return run_plan(plan)
     except SignalException as exc:  # SIGTERM/SIGINT to the agent; it has stopped the workers
         return preempted_exit_code(run_dir, exc.sigval, since=started)

@@ -1,13 +1,17 @@
 """What kind of failure a rank's error and output show, and the fix for each kind.
 
-Shared by `meshrun diagnose` (post-mortem) and readable on its own: each rule is a pattern
-found in torch's, meshrun's or the kernel's own words.
+Used by `meshrun diagnose` (post-mortem), through `classify_failure` on the launcher's RankFailure,
+and readable on its own: each rule is a pattern found in torch's, meshrun's or the kernel's own words.
 """
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from meshrun.launch.failure import RankFailure
 
 
 @dataclass(frozen=True)
@@ -68,6 +72,16 @@ def classify(exc_type: str | None, exc_text: str | None, log_text: str, signal: 
     if _RULES[-1][1].search(log_text):
         return DATA
     return SIGNAL if signal else USER
+
+
+def classify_failure(failure: RankFailure, log_text: str = "") -> Kind:
+    """The kind of one rank's failure (the launcher's RankFailure) and its stderr.
+
+    A rank that raised is classified by its exception, even when a signal ended it afterwards
+    (e.g. the agent's SIGTERM while it was still exiting).
+    """
+    signal = None if failure.raised else failure.signal_name
+    return classify(failure.exc_type, failure.exc_text, log_text, signal, failure.follow_on)
 
 
 _LAUNCH_PORT = re.compile(r"is held by|already used by another job|bound on this host|in use|EADDRINUSE|busy")

@@ -2,7 +2,9 @@
 
 A log root is what `meshrun launch --log-dir` (or `meshrun train`'s RUN_DIR/logs) holds:
 `<run id>/attempt_N/<local rank>/{stdout.log,stderr.log,error.json}`, plus failures.json
-written by the launcher with each rank's exit code or signal.
+written by the launcher with each rank's exit code or signal. Each rank is read into the
+launcher's own failure type (launch/failure.py: the same reading, ordering and wording as the
+launch summary) and classified by debug/classify.py.
 """
 
 from __future__ import annotations
@@ -10,34 +12,38 @@ from __future__ import annotations
 import glob
 import json
 import os
-import re
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
-from meshrun.debug.classify import DATA, FOLLOW_ON, classify, classify_launch
+from meshrun.debug.classify import DATA, FOLLOW_ON, classify_failure, classify_launch
 from meshrun.errors import MeshrunError
-from meshrun.launch.summary import FAILURES_FILE, LAUNCH_ERROR_FILE, RankFailure, is_follow_on
-
-_EXC_LINE = re.compile(r"^([A-Za-z_][\w.]*(?:Error|Exception|Interrupt|Exit|Detected)): (.*)$")
+from meshrun.launch.failure import (
+    ERROR_FILE,
+    RankFailure,
+    clip,
+    is_follow_on,
+    order_by_cause,
+    read_error_file,
+)
+from meshrun.launch.summary import FAILURES_FILE, LAUNCH_ERROR_FILE
 
 
 @dataclass
-class RankReport:
-    rank: int
-    local_rank: int
-    host: str | None = None
-    exitcode: int | None = None
-    signal: str | None = None
-    time: float | None = None  # when it failed (error.json), else its log's last write
-    exc_type: str | None = None
-    exc_text: str | None = None
-    site: str | None = None
+class RankReport(RankFailure):
+    """A rank's failure (the launcher's own type) plus what diagnose concludes from it."""
+
     kind: str = ""
     fix: str = ""
-    follow_on: bool = False
     failed: bool = False
     warnings: list[str] = field(default_factory=list)
-    log_dir: str = ""
+
+    @property
+    def signal(self) -> str | None:
+        return self.signal_name
+
+    def to_json(self) -> dict:
+        return {**super().to_json(), "kind": self.kind, "fix": self.fix, "failed": self.failed,
+                "warnings": list(self.warnings)}
 
 
 @dataclass
@@ -52,9 +58,9 @@ class Diagnosis:
     def to_json(self) -> dict:
         return {"log_root": self.log_root, "run": self.run, "attempt": self.attempt, "attempts": self.attempts,
                 "classification": self.first.kind if self.first else None,
-                "first_failure": asdict(self.first) if self.first else None,
+                "first_failure": self.first.to_json() if self.first else None,
                 "fix": self.first.fix if self.first else None,
-                "timeline": timeline(self), "ranks": [asdict(r) for r in self.ranks]}
+                "timeline": timeline(self), "ranks": [r.to_json() for r in self.ranks]}
 
 
 def find_log_root(path: str) -> str:
@@ -78,47 +84,29 @@ def _rank_report(rank_dir: str, agent: dict) -> RankReport:
     local_rank = int(os.path.basename(rank_dir))
     stderr = _read(os.path.join(rank_dir, "stderr.log"))
     stdout = _read(os.path.join(rank_dir, "stdout.log"))
-    report = RankReport(rank=local_rank, local_rank=local_rank, log_dir=rank_dir)
-    try:
-        data = json.loads(_read(os.path.join(rank_dir, "error.json")) or "{}")
-    except ValueError:
-        data = {}
-    extra = data.get("meshrun") if isinstance(data, dict) else None
-    if isinstance(extra, dict):
-        report.failed = True
-        report.time = float(extra.get("time") or 0) or None
-        report.exc_type, report.exc_text = extra.get("type"), extra.get("text")
-        report.site = f"{extra.get('file')}:{extra.get('line')} in {extra.get('function')}"
-        if str(extra.get("rank", "")).isdigit():
-            report.rank = int(extra["rank"])
-    elif isinstance(data.get("message"), dict):
-        report.failed = True
-        report.exc_type, _, report.exc_text = str(data["message"].get("message", "")).partition(": ")
-    else:
-        for line in reversed(stderr.splitlines()):
-            match = _EXC_LINE.match(line.strip())
-            if match:
-                report.failed = True
-                report.exc_type, report.exc_text = match.group(1), match.group(2)
-                break
+    report = RankReport(rank=-1, local_rank=local_rank, log_dir=rank_dir)
+    report.read_error_data(read_error_file(os.path.join(rank_dir, ERROR_FILE)))
+    if report.exc_type is None:
+        report.read_exception_from_log(stderr.splitlines())
+    if report.rank < 0:
+        report.rank = local_rank
+    report.failed = report.exc_type is not None
     if agent:
         report.failed = True
-        report.exitcode, report.signal = agent.get("exitcode"), agent.get("signal")
+        report.exitcode, report.pid = agent.get("exitcode"), int(agent.get("pid") or 0)
         report.host = agent.get("host")
         report.time = report.time or agent.get("time")
     if report.time is None:
         mtimes = [os.path.getmtime(p) for p in glob.glob(os.path.join(rank_dir, "*.log"))]
         report.time = max(mtimes) if mtimes else None
     report.warnings = [line.strip() for line in (stdout + stderr).splitlines() if "meshrun: data warning" in line]
-    failure = RankFailure(report.rank, local_rank, 0, report.exitcode if report.exitcode is not None else 1,
-                          report.time or 0.0, report.exc_type, report.exc_text)
-    report.follow_on = report.failed and is_follow_on(failure)
-    kind = classify(report.exc_type, report.exc_text, stderr, report.signal, report.follow_on)
+    report.follow_on = report.failed and is_follow_on(report)
+    kind = classify_failure(report, stderr)
     if not report.failed and report.warnings:
         kind = DATA
     report.kind, report.fix = kind.name, kind.fix
-    if isinstance(extra, dict) and extra.get("hint"):
-        report.fix = extra["hint"]  # meshrun's explanation of this exact torch error
+    if report.hint:
+        report.fix = report.hint  # meshrun's explanation of this exact torch error
     return report
 
 
@@ -169,7 +157,7 @@ def diagnose(path: str) -> Diagnosis:
              if os.path.basename(d).isdigit()]
     ranks.sort(key=lambda r: r.rank)
     failed = [r for r in ranks if r.failed]
-    ordered = sorted(failed, key=lambda r: (r.follow_on, r.time or 0.0, r.rank))
+    ordered = order_by_cause(failed)
     first = ordered[0] if ordered else next((r for r in ranks if r.warnings), None)
     return Diagnosis(root, os.path.basename(run_dir), int(last.rsplit("_", 1)[1]), len(attempts), ranks, first)
 
@@ -183,8 +171,7 @@ def timeline(diag: Diagnosis) -> list[dict]:
     rows = []
     for r in sorted(events, key=lambda r: r.time):
         if r.failed:
-            what = f"{r.exc_type}: {r.exc_text}" if r.exc_type else (f"killed by {r.signal}" if r.signal else
-                                                                     f"exit code {r.exitcode}")
+            what = r.describe(who=False)
         else:
             what = "last output (no failure recorded)"
         rows.append({"t": round(r.time - t0, 3), "clock": time.strftime("%H:%M:%S", time.localtime(r.time)),
@@ -201,7 +188,7 @@ def format_diagnosis(diag: Diagnosis) -> str:
     lines = [head, "timeline:"]
     for row in timeline(diag):
         who = "launcher" if row["rank"] < 0 else f"rank {row['rank']}"
-        lines.append(f"  {row['clock']} +{row['t']:6.2f}s  {who}: {_clip(row['event'])}")
+        lines.append(f"  {row['clock']} +{row['t']:6.2f}s  {who}: {clip(row['event'], 160)}")
     first = diag.first
     if first is None:
         lines.append("no rank failed and no warning was found: the run looks healthy")
@@ -215,8 +202,8 @@ def format_diagnosis(diag: Diagnosis) -> str:
         lines.append(f"  {first.exc_type}: {first.exc_text}")
     if first.site:
         lines.append(f"  at {first.site}")
-    if first.signal:
-        lines.append(f"  killed by {first.signal}")
+    if first.signal or first.exitcode not in (None, 1):
+        lines.append(f"  {first.status}")
     lines.append(f"classification: {first.kind}")
     lines.append(f"fix: {first.fix}")
     rest = [r for r in diag.ranks if r is not first and r.failed]
@@ -224,8 +211,7 @@ def format_diagnosis(diag: Diagnosis) -> str:
         lines.append("then, on the other ranks:")
         for r in rest:
             label = "consequence" if r.follow_on or r.kind == FOLLOW_ON.name else r.kind
-            what = f"{r.exc_type}: {r.exc_text}" if r.exc_type else (f"killed by {r.signal}" if r.signal else "failed")
-            lines.append(f"  rank {r.rank} ({label}): {_clip(what)}")
+            lines.append(f"  rank {r.rank} ({label}): {clip(r.describe(who=False), 160)}")
     warnings = [w for r in diag.ranks for w in r.warnings]
     if warnings and first.kind != DATA.name:
         lines.append(f"warnings: {warnings[0]}" + (f" (+{len(warnings) - 1} more)" if len(warnings) > 1 else ""))
@@ -234,8 +220,3 @@ def format_diagnosis(diag: Diagnosis) -> str:
     else:
         lines.append(f"logs: {os.path.join(diag.log_root, diag.run)}/attempt_{diag.attempt}/<local_rank>/stderr.log")
     return "\n".join(lines)
-
-
-def _clip(text: str, width: int = 160) -> str:
-    text = " ".join(str(text).split())
-    return text if len(text) <= width else text[: width - 3] + "..."

@@ -14,6 +14,8 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from meshrun.launch.args import usable_cpus
+
 PASS, WARN, FAIL, INFO = "PASS", "WARN", "FAIL", "INFO"
 STATUSES = (PASS, WARN, FAIL, INFO)
 
@@ -85,7 +87,7 @@ def check_devices(torch_mod: Any = None) -> Check:
     build = torch_build(torch_mod)
     if accelerator is not None and count > 0:
         return Check("devices", PASS, f"{count} x {accelerator.type}: one process per device")
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    cpus = usable_cpus()
     if build == "CPU-only":
         return Check(
             "devices",

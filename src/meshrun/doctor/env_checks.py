@@ -10,6 +10,7 @@ from collections.abc import Mapping
 
 from meshrun.doctor.checks import FAIL, INFO, PASS, WARN, Check
 from meshrun.errors import EnvError
+from meshrun.launch.args import usable_cpus
 from meshrun.runtime.env import LAUNCH_VARS, read_launch_env
 
 # Set per worker by torchrun; in an interactive shell they are left over from another job.
@@ -115,7 +116,7 @@ def check_omp(environ: Mapping[str, str] | None = None, *, num_cpus: int | None 
     """OMP_NUM_THREADS: torchrun sets 1 per worker, mp.spawn does not (5-6x slower on CPU)."""
     environ = os.environ if environ is None else environ
     if num_cpus is None:
-        num_cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        num_cpus = usable_cpus()
     raw = environ.get("OMP_NUM_THREADS")
     if raw is None:
         return Check(

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
-
-import torch
+import sys
 
 from meshrun.errors import LaunchError
 
@@ -38,14 +37,37 @@ scripts may call meshrun.init() to pick the device and backend for them.
 
 # Most CPU runs gain nothing past a few gloo processes, and each one holds a full model copy.
 MAX_AUTO_CPU_PROCS = 4
+NPROC_KEYWORDS = ("cpu", "gpu", "xpu")  # torchrun's own spellings for "one per device of that kind"
 
 
-def auto_nproc_per_node() -> int:
-    """One process per accelerator; on CPU, as many as cores but at least 2 and at most 4."""
-    if torch.accelerator.is_available() and torch.accelerator.device_count() > 0:
-        return torch.accelerator.device_count()
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return max(2, min(MAX_AUTO_CPU_PROCS, cores))
+def auto_nproc_per_node(*, import_torch: bool = True) -> int:
+    """`--nproc-per-node auto`: one process per accelerator; on CPU, the cores, at least 2, at most 4.
+
+    import_torch=False answers without importing torch (for a hint printed by a plain-python
+    process): it asks torch only when it is already imported, else counts /dev/nvidiaN.
+    """
+    torch = sys.modules.get("torch")
+    if torch is None and import_torch:
+        import torch
+    gpus = 0
+    if torch is not None:
+        try:
+            gpus = torch.accelerator.device_count() if torch.accelerator.is_available() else 0
+        except (AttributeError, RuntimeError):
+            gpus = 0
+    else:
+        try:
+            gpus = len([d for d in os.listdir("/dev") if d.startswith("nvidia") and d[6:].isdigit()])
+        except OSError:
+            gpus = 0
+    if gpus > 0:
+        return gpus
+    return max(2, min(MAX_AUTO_CPU_PROCS, usable_cpus()))
+
+
+def usable_cpus() -> int:
+    """CPU cores this process may run on (its affinity mask, not the machine's count)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def resolve_nproc_per_node(value: str) -> str:
@@ -55,16 +77,34 @@ def resolve_nproc_per_node(value: str) -> str:
         return str(auto_nproc_per_node())
     if value.lstrip("-").isdigit() and int(value) < 1:
         raise LaunchError(f"--nproc-per-node {value}: must be 'auto' or >= 1 (e.g. --nproc-per-node 2)")
-    if not value.isdigit() and value not in ("cpu", "gpu", "xpu"):
+    if not value.isdigit() and value not in NPROC_KEYWORDS:
         raise LaunchError(f"--nproc-per-node {value!r}: expected 'auto', a number >= 1, or cpu/gpu/xpu")
     return value
 
 
+def parse_nnodes(text: str | int) -> tuple[int, int]:
+    """`--nnodes N` or `MIN:MAX` (torchrun's spelling) -> (min, max), or one LaunchError naming the fix."""
+    raw = str(text).strip()
+    low, sep, high = raw.partition(":")
+    if not sep:
+        high = low
+    if not (low.isdigit() and high.isdigit()) or ":" in high or not 0 < int(low) <= int(high):
+        raise LaunchError(f"--nnodes={raw!r} must be N or MIN:MAX with 1 <= MIN <= MAX, "
+                          f"e.g. --nnodes 2 or --nnodes 1:4")
+    return int(low), int(high)
+
+
+def fixed_nnodes(text: str | int) -> int | None:
+    """N for `--nnodes N` or `N:N`; None for an elastic MIN:MAX range (LaunchError when malformed)."""
+    low, high = parse_nnodes(text)
+    return low if low == high else None
+
+
 def build_parser(prog: str = "meshrun launch") -> argparse.ArgumentParser:
     """torchrun's own parser, re-labelled, with meshrun's defaults and options added."""
-    from torch.distributed.run import get_args_parser
+    from meshrun.launch.torch_elastic import torchrun_parser
 
-    parser = get_args_parser()
+    parser = torchrun_parser()
     parser.prog = prog
     parser.description = LAUNCH_DESCRIPTION
     parser.epilog = LAUNCH_EPILOG

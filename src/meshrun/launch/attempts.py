@@ -16,16 +16,11 @@ import os
 import socket
 import sys
 import time
+from typing import TYPE_CHECKING
 
-from meshrun.launch.summary import (
-    FOLLOW_ON_PATTERNS,
-    RankFailure,
-    _from_error_data,
-    _read_error_file,
-    is_follow_on,
-)
+if TYPE_CHECKING:
+    from meshrun.launch.failure import RankFailure
 
-_AGENT_PROCS_LOGGER = "torch.distributed.elastic.multiprocessing.api"
 FAILURES_FILE = "failures.log"
 
 
@@ -47,24 +42,23 @@ def _attempt_dirs(log_root: str, run_dir: str | None = None) -> list[str]:
 
 def attempt_failures(attempt_dir: str, exitcode: int, local_rank: int, pid: int) -> list[RankFailure]:
     """The agent's first failure plus every rank that left an error file, root cause first."""
+    from meshrun.launch.failure import ERROR_FILE, RankFailure, classify_follow_on, read_error_file
+
     failures: dict[int, RankFailure] = {}
     for rank_dir in glob.glob(os.path.join(attempt_dir, "*")):
         name = os.path.basename(rank_dir)
-        data = _read_error_file(os.path.join(rank_dir, "error.json"))
+        data = read_error_file(os.path.join(rank_dir, ERROR_FILE))
         if not name.isdigit() or not data:
             continue
-        failure = RankFailure(rank=-1, local_rank=int(name), pid=0, exitcode=1, time=time.time())
-        _from_error_data(failure, data)
-        rank = (data.get("meshrun") or {}).get("rank")
-        failure.rank = int(rank) if str(rank).isdigit() else -1
+        failure = RankFailure(rank=-1, local_rank=int(name), time=time.time())
+        failure.read_error_data(data)
         failures[failure.local_rank] = failure
-    first = failures.get(local_rank) or RankFailure(-1, local_rank, pid, exitcode, time.time())
-    first.pid, first.exitcode = pid, exitcode
+    first = failures.get(local_rank) or RankFailure(-1, local_rank, time=time.time())
+    first.pid, first.exitcode = pid, exitcode  # the agent reports the exit status of this one only
     failures[local_rank] = first
-    for failure in failures.values():
-        failure.follow_on = _follow_on(failure)
+    ordered = classify_follow_on(list(failures.values()))
     # The agent's pick is the earliest by its timestamps; a cause beats a consequence.
-    return sorted(failures.values(), key=lambda f: (f.follow_on, f.local_rank != local_rank, f.time))
+    return sorted(ordered, key=lambda f: (f.follow_on, f.local_rank != local_rank, f.time or 0.0))
 
 
 def silent_ranks(attempt_dir: str, failures: list[RankFailure]) -> list[int]:
@@ -76,38 +70,6 @@ def silent_ranks(attempt_dir: str, failures: list[RankFailure]) -> list[int]:
     known = {f.local_rank for f in failures}
     ranks = [os.path.basename(d) for d in glob.glob(os.path.join(attempt_dir, "*"))]
     return sorted(int(r) for r in ranks if r.isdigit() and int(r) not in known)
-
-
-def _stopped(failure: RankFailure) -> bool:
-    return failure.signal_name in ("SIGTERM", "SIGINT")
-
-
-def _follow_on(failure: RankFailure) -> bool:
-    """A rank that raised, then was stopped by the agent while exiting, is judged by its exception."""
-    if failure.exc_type and _stopped(failure):
-        text = f"{failure.exc_type}: {failure.exc_text}"
-        return any(pattern in text for pattern in FOLLOW_ON_PATTERNS)
-    return is_follow_on(failure)
-
-
-def describe(failure: RankFailure) -> str:
-    """'rank 1 (local rank 1, pid 42): killed by SIGKILL; ValueError: ... at file:line'."""
-    details = [f"local rank {failure.local_rank}"] if failure.rank >= 0 else []
-    if failure.pid:
-        details.append(f"pid {failure.pid}")
-    who = f"rank {failure.rank}" if failure.rank >= 0 else f"local rank {failure.local_rank}"
-    if details:
-        who += f" ({', '.join(details)})"
-    # The agent reports the exit status of its first failure only; the others left an error file.
-    # One that raised, then was stopped by the agent while exiting, is told by its exception.
-    status = failure.status if failure.pid and not (failure.exc_type and _stopped(failure)) else None
-    line = f"{who}: {status or 'failed'}"
-    if failure.exc_type:
-        exc = f"{failure.exc_type}: {' '.join(str(failure.exc_text).split())[:160]}"
-        line = f"{line}; {exc}" if status else f"{who}: {exc}"
-    if failure.site:
-        line += f" at {failure.site}"
-    return line
 
 
 class AttemptRecorder(logging.Handler):
@@ -123,11 +85,15 @@ class AttemptRecorder(logging.Handler):
         self.stream = stream
 
     def emit(self, record: logging.LogRecord) -> None:
-        if not str(record.msg).startswith("failed (exitcode") or not isinstance(record.args, tuple):
+        from meshrun.launch.failure import RankFailure
+        from meshrun.launch.torch_elastic import agent_failure_record, run_log_dir
+
+        agent = agent_failure_record(record)
+        if agent is None:
             return
         try:
-            exitcode, local_rank, pid = (int(a) for a in record.args[:3])
-            dirs = _attempt_dirs(self.log_root, getattr(self.logs_specs, "_run_log_dir", None))
+            exitcode, local_rank, pid = agent
+            dirs = _attempt_dirs(self.log_root, run_log_dir(self.logs_specs))
             attempt = int(dirs[-1].rsplit("attempt_", 1)[1]) if dirs else self.failed_attempts
             failures = attempt_failures(dirs[-1], exitcode, local_rank, pid) if dirs else [
                 RankFailure(-1, local_rank, pid, exitcode, time.time())]
@@ -135,7 +101,7 @@ class AttemptRecorder(logging.Handler):
             left = self.max_restarts - self.failed_attempts + 1
             then = (f"restarting (restart {self.failed_attempts} of --max-restarts {self.max_restarts})"
                     if left > 0 else "no restarts left")
-            cause = describe(failures[0])
+            cause = failures[0].describe()
             if failures[0].follow_on:  # nothing that raised here failed on its own
                 silent = silent_ranks(dirs[-1], failures) if dirs else []
                 cause = (f"local rank {', '.join(map(str, silent))} ended without a Python error "
@@ -147,7 +113,7 @@ class AttemptRecorder(logging.Handler):
             with open(os.path.join(self.log_root, FAILURES_FILE), "a") as fp:
                 fp.write(f"{time.strftime('%Y-%m-%dT%H:%M:%S')} {line}\n")
                 for other in failures[1:]:
-                    fp.write(f"    then {describe(other)}\n")
+                    fp.write(f"    then {other.describe()}\n")
             if left > 0:  # otherwise the job's failure summary follows at once
                 stream = self.stream or sys.stderr
                 stream.write(line + "\n")
@@ -157,10 +123,15 @@ class AttemptRecorder(logging.Handler):
 
 
 def install(log_root: str, max_restarts: int, logs_specs=None) -> AttemptRecorder:
+    """Listen to the agent's failure records until uninstall()."""
+    from meshrun.launch.torch_elastic import AGENT_PROCS_LOGGER
+
     recorder = AttemptRecorder(log_root, max_restarts, logs_specs=logs_specs)
-    logging.getLogger(_AGENT_PROCS_LOGGER).addHandler(recorder)
+    logging.getLogger(AGENT_PROCS_LOGGER).addHandler(recorder)
     return recorder
 
 
 def uninstall(recorder: AttemptRecorder) -> None:
-    logging.getLogger(_AGENT_PROCS_LOGGER).removeHandler(recorder)
+    from meshrun.launch.torch_elastic import AGENT_PROCS_LOGGER
+
+    logging.getLogger(AGENT_PROCS_LOGGER).removeHandler(recorder)

@@ -1,7 +1,7 @@
 """Which of this host's addresses and interfaces reach a rendezvous endpoint, and who hosts it.
 
-torch 2.13's agent guesses both from the host name (../shared/FIELD-NOTES.md, "Two hosts on
-one machine"): node 0 hosts the c10d store only when the endpoint matches its host name, the
+torch 2.13's agent guesses both from the host name (docs/multinode.md, "Two nodes on one
+machine"): node 0 hosts the c10d store only when the endpoint matches its host name, the
 address it publishes for MASTER_ADDR is `socket.getfqdn()`, and gloo binds whatever the host
 name resolves to. A host name that maps to 127.0.x.1, or a host with several interfaces, breaks
 all three. Here they are decided from the routing table and the interfaces' own addresses.

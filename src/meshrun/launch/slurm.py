@@ -4,10 +4,11 @@
     srun meshrun train my.toml          # no --nnodes / --rdzv-* needed: one agent per node
 
 Every node computes the same endpoint: the first host of the step's (else the job's) node list,
-on port $MESHRUN_RDZV_PORT, else 29400 + job id % 2000 (so two jobs that share a first node do
-not share a store; see ../shared/FIELD-NOTES.md, "Same c10d endpoint for two jobs"). The list is
-expanded here (`node[01-03,07]`), so no `scontrol` is needed. An option given on the command
-line always wins; MESHRUN_SLURM=0 turns this off.
+on port $MESHRUN_RDZV_PORT, else 29400 + job id % 2000, so two jobs that share a first node do
+not share a store (two jobs on one c10d endpoint with different --rdzv-id silently join one
+store, and the second dies when the first ends: docs/multinode.md). The list is expanded here
+(`node[01-03,07]`), so no `scontrol` is needed. An option given on the command line always
+wins; MESHRUN_SLURM=0 turns this off.
 """
 
 from __future__ import annotations
@@ -116,23 +117,22 @@ def slurm_job(environ: dict[str, str] | None = None) -> SlurmJob | None:
     return SlurmJob(job_id=job_id, num_nodes=num_nodes, node_id=node_id, hosts=hosts, port=port)
 
 
-def apply_slurm(args: argparse.Namespace, environ: dict[str, str] | None = None) -> SlurmJob | None:
-    """Fill --nnodes, --rdzv-backend/-endpoint/-id from SLURM where the user left them out."""
-    job = slurm_job(environ)
-    if job is None or getattr(args, "_meshrun_slurm_applied", False):
-        return job
-    args._meshrun_slurm_applied = True
+def slurm_options(args: argparse.Namespace, job: SlurmJob | None) -> dict[str, str]:
+    """--nnodes, --rdzv-backend/-endpoint/-id from SLURM, for those the user left out (a dict of
+    namespace attribute -> value; the namespace itself is not changed)."""
+    if job is None:
+        return {}
     given = {k for k, default in _DEFAULTS.items() if str(getattr(args, k, default)) != default}
     if args.standalone or args.master_port is not None or getattr(args, "master_addr", None) not in (None, "127.0.0.1"):
-        return job  # the user chose a static or standalone rendezvous: theirs to run
+        return {}  # the user chose a static or standalone rendezvous: theirs to run
+    options: dict[str, str] = {}
     if "nnodes" not in given:
-        args.nnodes = str(job.num_nodes)
-    if "rdzv_backend" not in given:
-        args.rdzv_backend = "c10d"
-    if "rdzv_endpoint" not in given and args.rdzv_backend == "c10d":
-        args.rdzv_endpoint = job.endpoint
+        options["nnodes"] = str(job.num_nodes)
+    backend = options["rdzv_backend"] = args.rdzv_backend if "rdzv_backend" in given else "c10d"
+    if "rdzv_endpoint" not in given and backend == "c10d":
+        options["rdzv_endpoint"] = job.endpoint
     if "rdzv_id" not in given:
-        args.rdzv_id = job.job_id
+        options["rdzv_id"] = job.job_id
     logger.info("SLURM job %s: node %d of %d, rendezvous %s", job.job_id, job.node_id, job.num_nodes,
-                args.rdzv_endpoint)
-    return job
+                options.get("rdzv_endpoint", args.rdzv_endpoint))
+    return options

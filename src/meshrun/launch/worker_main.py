@@ -1,21 +1,21 @@
 """Runs one worker's target script or module, recording a failure where the launcher finds it.
 
 Started by `meshrun launch` as `python -u worker_main.py [-m] TARGET ARGS...`. Standard library
-only, and imports nothing heavy, so user code starts as soon as it would under torchrun.
-Torchelastic's `@record` does the same job, but only for scripts that remember to use it.
+only, and imports nothing it does not need before the user's first line (json and traceback
+only on failure; meshrun.debug only when the script imports torch), so user code starts as
+soon as it would under torchrun. Torchelastic's `@record` does the same job, but only for
+scripts that remember to use it.
 """
 
 from __future__ import annotations
 
 import faulthandler
-import json
 import os
-import runpy
 import sys
 import time
-import traceback
 
-_SKIP_FILES = {os.path.abspath(__file__), os.path.abspath(runpy.__file__), "<frozen runpy>"}
+_RUNPY = os.path.join(os.path.dirname(os.path.abspath(os.__file__)), "runpy.py")  # not imported for a .py
+_SKIP_FILES = {os.path.abspath(__file__), _RUNPY, "<frozen runpy>"}
 _LIBRARY_DIRS = tuple(
     {os.path.abspath(p) for p in (sys.prefix, sys.base_prefix, sys.exec_prefix)}
     | {os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep}  # meshrun itself
@@ -35,6 +35,8 @@ def _user_traceback(exc: BaseException):
 
 
 def _frames(tb) -> list[tuple[str, int, str]]:
+    import traceback
+
     return [(fs.filename, fs.lineno or 0, fs.name) for fs in traceback.extract_tb(tb)]
 
 
@@ -57,6 +59,8 @@ def _write_error_file(exc: BaseException, tb, formatted: str, hint: str | None =
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not path:
         return
+    import json
+
     frames = _frames(tb)
     user = [f for f in frames if _is_user_file(f[0])]
     site = (user or frames or [("<unknown>", 0, "<module>")])[-1]
@@ -108,12 +112,55 @@ def _die_with_agent() -> None:
         pass
 
 
+class _DebugWhenTorchImports:
+    """A meta path finder that installs meshrun.debug's hooks when the script first imports torch.
+
+    The hooks only act on torch (its collectives and optimizers); importing them costs tens of
+    milliseconds that a script's first line need not wait for, and a script without torch never pays.
+    """
+
+    def find_spec(self, name, path=None, target=None):  # noqa: ANN001 - finder protocol
+        if name != "torch":
+            return None
+        sys.meta_path.remove(self)
+        from meshrun.debug.hooks import install_import_hook
+
+        install_import_hook()  # puts its own finder, which wraps torch's import, first on sys.meta_path
+        import importlib.util
+
+        return importlib.util.find_spec(name)
+
+
 def _install_debug() -> None:
     """Hang watchdog and --debug collectives (meshrun.debug), only when the launcher asked."""
     if os.environ.get("MESHRUN_DEBUG") or os.environ.get("MESHRUN_HANG_TIMEOUT", "0") not in ("0", ""):
-        from meshrun.debug.hooks import install_import_hook
+        if "torch" in sys.modules:
+            from meshrun.debug.hooks import install_import_hook
 
-        install_import_hook()
+            install_import_hook()
+        else:
+            sys.meta_path.insert(0, _DebugWhenTorchImports())
+
+
+def _run_script(path: str) -> None:
+    """`runpy.run_path(path, run_name="__main__")` for a .py file, as `python path` runs it.
+
+    runpy and the pkgutil it imports cost more than a script's own start-up; a plain .py file
+    needs none of what they add (directories, zip files, compiled files still go through runpy).
+    """
+    import io
+    import types
+
+    with io.open_code(os.path.abspath(path)) as fp:
+        code = compile(fp.read(), path, "exec")
+    module = types.ModuleType("__main__")
+    module.__dict__.update(__file__=path, __cached__=None, __package__="")
+    saved = sys.modules.get("__main__")
+    sys.modules["__main__"] = module  # pickle and multiprocessing find the script's own __main__
+    try:
+        exec(code, module.__dict__)
+    finally:
+        sys.modules["__main__"] = saved
 
 
 def run(argv: list[str]) -> int:
@@ -132,11 +179,18 @@ def run(argv: list[str]) -> int:
         if as_module:
             sys.argv = [target, *args]
             sys.path[0] = os.getcwd()
+            import runpy
+
             runpy.run_module(target, run_name="__main__", alter_sys=True)
         else:
             sys.argv = [target, *args]
             sys.path[0] = os.path.dirname(os.path.abspath(target))
-            runpy.run_path(target, run_name="__main__")
+            if target.endswith(".py") and os.path.isfile(target):
+                _run_script(target)
+            else:
+                import runpy
+
+                runpy.run_path(target, run_name="__main__")
     except SystemExit as exc:
         code = exc.code
         if code is None or code == 0:
@@ -147,6 +201,8 @@ def run(argv: list[str]) -> int:
         print(code, file=sys.stderr)
         return 1
     except BaseException as exc:  # noqa: BLE001 - every failure must be recorded
+        import traceback
+
         _mark_runtime_failed()
         tb = _user_traceback(exc)
         formatted = "".join(traceback.format_exception(type(exc), exc, tb))

@@ -45,16 +45,10 @@ def _check_layout(cfg: JobConfig, vocab_size: int, nproc_per_node: str, nnodes: 
 def fixed_world_size(nproc_per_node: str, nnodes: str) -> int | None:
     """nproc_per_node x nnodes when both are fixed numbers; None for 'auto', cpu/gpu counts or
     an elastic MIN:MAX node range (the world is known only at launch)."""
-    nodes = _fixed_nnodes(str(nnodes))
+    from meshrun.launch.args import fixed_nnodes
+
+    nodes = fixed_nnodes(str(nnodes))
     nproc = str(nproc_per_node).strip()
     if not nproc.isdigit() or nodes is None:
         return None
     return int(nproc) * nodes
-
-
-def _fixed_nnodes(nnodes: str) -> int | None:
-    """N, or N:N (the launcher may spell a fixed node count as a range); None for MIN:MAX."""
-    low, _, high = nnodes.partition(":")
-    if low.isdigit() and (not high or high == low):
-        return int(low)
-    return None

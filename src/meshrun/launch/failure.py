@@ -1,0 +1,246 @@
+"""One rank's failure, whatever recorded it, and the one way it is told.
+
+A rank's failure is known from up to four places: the agent's exit status (an exit code, or a
+signal), the rank's error file (`error.json`: meshrun's worker bootstrap or torchelastic's
+`@record`, which covers the hang watchdog's and the collective checker's reports, raised as
+exceptions), and its stderr/stdout logs. `RankFailure` gathers them; `status` and `describe()`
+are the only formatters. The launcher's summary (summary.py), its per-attempt notices
+(attempts.py) and `meshrun diagnose` (debug/postmortem.py) all use this type.
+
+A rank that raised is reported as having raised, even when the agent then stopped it with
+SIGTERM while it was still exiting: the signal is the agent's reaction to a peer, not the cause.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+from dataclasses import dataclass
+
+# Messages that ranks print when a *peer* died: consequences, not causes.
+FOLLOW_ON_PATTERNS = (
+    "Connection reset by peer",
+    "Connection closed by peer",
+    "Broken pipe",
+    "Connection refused",
+    "DistNetworkError",
+    "DistStoreError",
+    "RendezvousConnectionError",
+    "RendezvousClosedError",
+    "Socket Timeout",
+    "communicator was aborted",
+    "NCCL communicator",
+    "Read error",
+    "recvBytes",
+    "sendBytes",
+)
+# The hang watchdog's report on a rank that was waiting for a peer (meshrun.debug.watchdog).
+WATCHDOG_WAITING = (" is waiting in ", " is waiting inside torch")
+# What the agent sends the surviving workers when it stops a group.
+STOP_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP")
+# Exceptions that mean "stopped", not "failed on its own".
+_NOT_RAISED = ("KeyboardInterrupt", "SystemExit")
+_TB_LINE = re.compile(r'File "([^"]+)", line (\d+), in (\S+)')
+_EXC_LINE = re.compile(r"^([A-Za-z_][\w.]*(?:Error|Exception|Interrupt|Exit|Detected)): (.*)$")
+ERROR_FILE = "error.json"
+TAIL_LINES = 12
+STDOUT_TAIL_LINES = 5
+
+
+@dataclass
+class RankFailure:
+    """One failed worker, as far as its exit status, error file and logs tell."""
+
+    rank: int  # global rank; -1 when only the local rank is known
+    local_rank: int
+    pid: int = 0  # 0: unknown
+    exitcode: int | None = None  # negative: killed by that signal; None: unknown (no agent record)
+    time: float | None = None  # when it failed (error file), else the agent's or the logs' time
+    exc_type: str | None = None
+    exc_text: str | None = None
+    site: str | None = None  # "path/to/file.py:LINE in function"
+    tail: list[str] | None = None  # last lines of stderr
+    stdout_tail: list[str] | None = None
+    log_dir: str | None = None
+    host: str | None = None
+    follow_on: bool = False  # failed because a peer went away (set by classify_follow_on)
+    hint: str | None = None  # meshrun's explanation of a known torch error (debug/explain.py)
+
+    @property
+    def signal_name(self) -> str | None:
+        if self.exitcode is None or self.exitcode >= 0:
+            return None
+        try:
+            return signal.Signals(-self.exitcode).name
+        except ValueError:
+            return f"signal {-self.exitcode}"
+
+    @property
+    def raised(self) -> bool:
+        """The rank recorded an exception of its own (not an interrupt or a plain exit)."""
+        return bool(self.exc_type) and self.exc_type not in _NOT_RAISED
+
+    @property
+    def exception(self) -> str | None:
+        """'Type: text' on one line, clipped, or None."""
+        if not self.exc_type:
+            return None
+        return clip(f"{self.exc_type}: {self.exc_text or ''}".rstrip(": "), 160)
+
+    @property
+    def status(self) -> str:
+        """How the rank ended, in a few words: 'raised ValueError, exit code 1', 'killed by SIGKILL'."""
+        sig = self.signal_name
+        if self.raised:
+            return f"raised {self.exc_type}" + self._after_raising()
+        if sig:
+            return f"killed by {sig}"
+        return "failed" if self.exitcode is None else f"exit code {self.exitcode}"
+
+    def _after_raising(self) -> str:
+        sig = self.signal_name
+        if sig in STOP_SIGNALS:
+            return f", then stopped by {sig} from the agent while exiting"
+        if sig:
+            return f", then killed by {sig}"
+        return "" if self.exitcode is None else f", exit code {self.exitcode}"
+
+    @property
+    def shell_exit_code(self) -> int:
+        """What a shell would report: the code itself, or 128 + signal number.
+
+        A rank that raised and was then stopped by the agent would have exited with 1.
+        """
+        if self.exitcode is None or (self.raised and self.signal_name in STOP_SIGNALS):
+            return 1
+        return 128 - self.exitcode if self.exitcode < 0 else max(self.exitcode, 1)
+
+    @property
+    def who(self) -> str:
+        """'rank 1 (local rank 1, pid 42)', or 'local rank 1 (pid 42)' when the rank is unknown."""
+        details = [f"local rank {self.local_rank}"] if self.rank >= 0 else []
+        if self.host:
+            details.append(f"on {self.host}")
+        if self.pid:
+            details.append(f"pid {self.pid}")
+        name = f"rank {self.rank}" if self.rank >= 0 else f"local rank {self.local_rank}"
+        return f"{name} ({', '.join(details)})" if details else name
+
+    def describe(self, *, who: bool = True) -> str:
+        """One line: 'rank 1 (local rank 1, pid 42): ValueError: bad batch at t.py:9 in main'."""
+        if self.raised:
+            line = self.exception or ""
+            if self.site:
+                line += f" at {self.site}"
+            line += self._after_raising() if self.exitcode != 1 else ""
+        else:
+            line = self.status
+            if self.exception:
+                line += f"; {self.exception}"
+            if self.site:
+                line += f" at {self.site}"
+        return f"{self.who}: {line}" if who else line
+
+    def to_json(self) -> dict:
+        return {"rank": self.rank, "local_rank": self.local_rank, "pid": self.pid, "exitcode": self.exitcode,
+                "signal": self.signal_name, "time": self.time, "host": self.host, "log_dir": self.log_dir,
+                "follow_on": self.follow_on, "exc_type": self.exc_type, "exc_text": self.exc_text,
+                "site": self.site}
+
+    # --- reading what the rank left -------------------------------------------------------------
+
+    def read_error_data(self, data: dict) -> None:
+        """Fill the exception, call site, time and rank from an error file's contents."""
+        extra = data.get("meshrun") if isinstance(data, dict) else None
+        message = data.get("message") if isinstance(data, dict) else None
+        if isinstance(extra, dict):
+            if extra.get("time"):
+                self.time = float(extra["time"])
+            self.exc_type, self.exc_text = extra.get("type"), extra.get("text")
+            self.site = f"{extra.get('file')}:{extra.get('line')} in {extra.get('function')}"
+            self.hint = extra.get("hint")
+            if self.rank < 0 and str(extra.get("rank", "")).isdigit():
+                self.rank = int(extra["rank"])
+        elif isinstance(message, dict):  # torchelastic @record format: "Type: text" + py_callstack
+            self.exc_type, _, self.exc_text = str(message.get("message", "")).partition(": ")
+            stack = str(message.get("extraInfo", {}).get("py_callstack", ""))
+            sites = _TB_LINE.findall(stack)
+            if sites:
+                path, line, func = sites[-1]
+                self.site = f"{path}:{line} in {func}"
+
+    def read_logs(self, log_dir: str) -> None:
+        """The last lines of the rank's stderr/stdout; the exception from stderr when no file said."""
+        self.log_dir = log_dir
+        self.tail = tail(os.path.join(log_dir, "stderr.log"))
+        self.stdout_tail = tail(os.path.join(log_dir, "stdout.log"), STDOUT_TAIL_LINES)
+        if self.exc_type is None:
+            self.read_exception_from_log(self.tail)
+
+    def read_exception_from_log(self, lines: list[str]) -> None:
+        """For scripts run without the bootstrap (--no-python): the last 'Type: text' line."""
+        sites = _TB_LINE.findall("\n".join(lines))
+        if sites and self.site is None:
+            path, line, func = sites[-1]
+            self.site = f"{path}:{line} in {func}"
+        for line in reversed(lines):
+            match = _EXC_LINE.match(line.strip())
+            if match:
+                self.exc_type, self.exc_text = match.group(1), match.group(2)
+                return
+
+
+def read_error_file(path: str | None) -> dict:
+    """An error file's JSON, or {} when it is missing or damaged (a damaged file is no failure)."""
+    if not path or not os.path.isfile(path):
+        return {}
+    try:
+        with open(path) as fp:
+            data = json.load(fp)
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def tail(path: str, n: int = TAIL_LINES) -> list[str]:
+    """The last n non-blank lines of a log file ([] when unreadable)."""
+    try:
+        with open(path, errors="replace") as fp:
+            lines = fp.read().splitlines()
+    except OSError:
+        return []
+    return [line for line in lines if line.strip()][-n:]
+
+
+def is_follow_on(failure: RankFailure) -> bool:
+    """True when the rank failed because a peer went away, not on its own."""
+    text = " ".join(filter(None, [failure.exc_type, failure.exc_text]))
+    if failure.exc_type == "HangDetected":  # the watchdog's abort: a consequence on a rank that waited
+        return any(pattern in text for pattern in WATCHDOG_WAITING)
+    if any(pattern in text for pattern in FOLLOW_ON_PATTERNS):
+        return True
+    if failure.signal_name in STOP_SIGNALS:
+        # The agent stops the survivors with these. A rank that recorded an exception of its
+        # own before the agent's signal reached it (it was still exiting) failed on its own.
+        return not failure.raised
+    return False
+
+
+def classify_follow_on(failures: list[RankFailure]) -> list[RankFailure]:
+    """Set each failure's follow_on; return them root causes first (see order_by_cause)."""
+    for failure in failures:
+        failure.follow_on = is_follow_on(failure)
+    return order_by_cause(failures)
+
+
+def order_by_cause(failures: list[RankFailure]) -> list[RankFailure]:
+    """Root causes before consequences; within each, earliest first (rank breaks ties)."""
+    return sorted(failures, key=lambda f: (f.follow_on, f.time or 0.0, f.rank))
+
+
+def clip(text: str, width: int = 140) -> str:
+    """One line, at most `width` characters."""
+    text = " ".join(str(text).split())
+    return text if len(text) <= width else text[: width - 3] + "..."

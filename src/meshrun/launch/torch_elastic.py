@@ -1,0 +1,112 @@
+"""The one place meshrun touches torch's elastic launcher (torch.distributed.run, .launcher, .elastic).
+
+Everything meshrun needs from torchrun's machinery goes through here: its argument parser, its
+`config_from_args`, `elastic_launch`, its error types, the agent's logger and the log directory
+of the current run. When a torch release moves one of these, this file is the one to change.
+
+torch 2.13's `LaunchConfig` has no field for the workers' environment: the agent builds it from
+`os.environ` when it starts the workers (and reads launcher settings such as
+TORCH_DISABLE_SHARE_RDZV_TCP_STORE from there too). `run_agent` therefore sets the plan's
+variables only while the agent runs and restores the caller's environment afterwards.
+Imported only once a launch is about to run: it imports torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import os
+from collections.abc import Iterator, Mapping
+
+from torch.distributed.elastic.multiprocessing.api import SignalException
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.elastic.rendezvous.api import (
+    RendezvousClosedError,
+    RendezvousError,
+    RendezvousTimeoutError,
+)
+from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+from torch.distributed.run import config_from_args, get_args_parser
+
+__all__ = [
+    "AGENT_PROCS_LOGGER", "ChildFailedError", "JOIN_TIMEOUT_DEFAULT_S", "LaunchConfig", "RendezvousClosedError",
+    "RendezvousError", "RendezvousTimeoutError", "SignalException", "agent_failure_record", "build_config",
+    "run_agent", "run_log_dir", "scoped_environ", "torchrun_parser",
+]
+
+# The agent's logger for worker processes; it logs one ERROR record per failed attempt:
+# "failed (exitcode: %s) local_rank: %s (pid: %s) of binary: %s".
+AGENT_PROCS_LOGGER = "torch.distributed.elastic.multiprocessing.api"
+_AGENT_FAILURE_PREFIX = "failed (exitcode"
+_CHATTY_LOGGERS = ("torch.distributed.elastic", "torch.distributed.run")
+JOIN_TIMEOUT_DEFAULT_S = 600  # c10d rendezvous' join_timeout when --rdzv-conf does not set one
+
+
+def torchrun_parser() -> argparse.ArgumentParser:
+    """torchrun's own argument parser (every flag, torch's spellings and defaults)."""
+    return get_args_parser()
+
+
+def build_config(options: argparse.Namespace, environ: Mapping[str, str]):
+    """(LaunchConfig, entrypoint, entrypoint args) from torchrun's options, as torchrun builds them.
+
+    `environ` holds the variables the job will run with: torch reads OMP_NUM_THREADS and the log
+    prefix template from the environment here, and would set OMP_NUM_THREADS in this process.
+    """
+    with scoped_environ(environ):
+        return config_from_args(options)
+
+
+def run_agent(config: LaunchConfig, entrypoint, args: list[str], environ: Mapping[str, str],
+              *, quiet: bool = True) -> None:
+    """Run the elastic agent to the end, with `environ` set for it and its workers only meanwhile.
+
+    quiet: torchelastic's INFO/WARNING chatter buries the user's output; errors still show.
+    """
+    with scoped_environ(environ), _quiet_loggers(quiet):
+        elastic_launch(config=config, entrypoint=entrypoint)(*args)
+
+
+def run_log_dir(logs_specs) -> str | None:
+    """This agent's own `<log_dir>/<run_id>_XXXX` (torch keeps it private; None when unknown)."""
+    return getattr(logs_specs, "_run_log_dir", None)
+
+
+def agent_failure_record(record: logging.LogRecord) -> tuple[int, int, int] | None:
+    """(exitcode, local_rank, pid) of the agent's per-attempt failure record, else None."""
+    if not str(record.msg).startswith(_AGENT_FAILURE_PREFIX) or not isinstance(record.args, tuple):
+        return None
+    try:
+        exitcode, local_rank, pid = (int(a) for a in record.args[:3])
+    except (TypeError, ValueError):
+        return None
+    return exitcode, local_rank, pid
+
+
+@contextlib.contextmanager
+def scoped_environ(updates: Mapping[str, str]) -> Iterator[None]:
+    """Set `updates` in os.environ for the duration of the block, then restore every key as it was."""
+    saved = {key: os.environ.get(key) for key in updates}
+    os.environ.update(updates)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+@contextlib.contextmanager
+def _quiet_loggers(quiet: bool) -> Iterator[None]:
+    loggers = [logging.getLogger(name) for name in _CHATTY_LOGGERS] if quiet else []
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for logger, level in zip(loggers, levels, strict=True):
+            logger.setLevel(level)
