@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
@@ -104,4 +105,12 @@ def load(state_dict: dict, path: Path, *, no_dist: bool = False) -> None:
     with warnings.catch_warnings():  # no_dist: "assuming the intent is to load in a single process": it is
         if no_dist:
             warnings.simplefilter("ignore", UserWarning)
-        dcp.load(state_dict, storage_reader=SafeReader(str(path)), planner=SafePlanner(), no_dist=no_dist)
+        try:
+            dcp.load(state_dict, storage_reader=SafeReader(str(path)), planner=SafePlanner(), no_dist=no_dist)
+        except CheckpointException as exc:  # one line for the user, not a traceback per rank
+            failures = list(getattr(exc, "failures", {}).values())
+            cause = failures[0] if failures else exc  # (exception, traceback frames) per failed rank
+            cause = cause[0] if isinstance(cause, tuple) and cause else cause
+            text = str(cause).strip().splitlines()
+            detail = next((line for line in reversed(text) if "GLOBAL" in line), text[0] if text else "")
+            raise CheckpointError(f"{path} does not load ({type(cause).__name__}: {detail.strip()})") from None
