@@ -188,12 +188,12 @@ def test_check_fits_names_the_first_differing_tensors(tmp_path):
     ckpt = tmp_path / "step-00000001"
     _save(ckpt, 1)
     check_fits(ckpt, {"tok.weight": (8, 4), "out.bias": (8,)})
-    with pytest.raises(mf.CheckpointError, match=r"out.bias not in this model") as info:
+    with pytest.raises(mf.CheckpointError, match=r"not in this model: out.bias") as info:
         check_fits(ckpt, {"tok.weight": (8, 4)})  # a checkpoint with more tensors than the model
     assert "\n" not in str(info.value)
-    with pytest.raises(mf.CheckpointError, match=r"layers.0.w missing from the checkpoint"):
+    with pytest.raises(mf.CheckpointError, match=r"missing from the checkpoint: layers.0.w"):
         check_fits(ckpt, {"tok.weight": (8, 4), "out.bias": (8,), "layers.0.w": (2,)})
-    with pytest.raises(mf.CheckpointError, match=r"tok.weight has shape \[8, 4\], this model's is \[8, 2\]"):
+    with pytest.raises(mf.CheckpointError, match=r"of another shape: tok.weight \[8, 4\] saved, \[8, 2\] here"):
         check_fits(ckpt, {"tok.weight": torch.empty(8, 2), "out.bias": torch.empty(8)})
 
 
@@ -201,8 +201,8 @@ def test_init_from_with_more_weights_than_the_model_is_refused(tmp_path):
     from meshrun.checkpoint.export import load_consolidated
     from meshrun.errors import ModelError
 
-    small = torch.nn.Linear(2, 2)
+    small = torch.nn.Sequential(torch.nn.Linear(2, 2))
     big = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
     torch.save(big.state_dict(), tmp_path / "big.pt")
-    with pytest.raises(ModelError, match=r"does not fit this model: .*0.bias not in this model"):
+    with pytest.raises(ModelError, match=r"does not fit this model: not in this model: 1.bias, 1.weight;"):
         load_consolidated(small, tmp_path / "big.pt")

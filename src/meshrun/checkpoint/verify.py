@@ -31,14 +31,19 @@ def _shape(value) -> tuple[int, ...]:
 
 def differences(saved: Mapping[str, tuple], own: Mapping[str, tuple], *, limit: int = 3) -> str | None:
     """None when both map the same names to the same shapes, else the first few differences in one line."""
-    found = [f"{name} missing from the checkpoint" for name in sorted(set(own) - set(saved))]
-    found += [f"{name} not in this model" for name in sorted(set(saved) - set(own))]
-    found += [f"{name} has shape {list(saved[name])}, this model's is {list(own[name])}"
-              for name in sorted(set(own) & set(saved)) if tuple(saved[name]) != tuple(own[name])]
-    if not found:
+    groups = [("missing from the checkpoint", sorted(set(own) - set(saved))),
+              ("not in this model", sorted(set(saved) - set(own))),
+              ("of another shape", [f"{name} {list(saved[name])} saved, {list(own[name])} here"
+                                    for name in sorted(set(own) & set(saved))
+                                    if tuple(saved[name]) != tuple(own[name])])]
+    total, parts, shown = sum(len(names) for _, names in groups), [], 0
+    for what, names in groups:
+        if names and shown < limit:
+            parts.append(f"{what}: {', '.join(names[:limit - shown])}")
+            shown += len(names[:limit - shown])
+    if not total:
         return None
-    more = f" (and {len(found) - limit} more)" if len(found) > limit else ""
-    return "; ".join(found[:limit]) + more
+    return "; ".join(parts) + (f" (and {total - shown} more)" if total > shown else "")
 
 
 def check_fits(path: Path, model_state: Mapping[str, torch.Tensor | tuple[int, ...]]) -> None:
