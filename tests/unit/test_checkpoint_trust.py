@@ -206,3 +206,14 @@ def test_init_from_with_more_weights_than_the_model_is_refused(tmp_path):
     torch.save(big.state_dict(), tmp_path / "big.pt")
     with pytest.raises(ModelError, match=r"does not fit this model: not in this model: 1.bias, 1.weight;"):
         load_consolidated(small, tmp_path / "big.pt")
+
+
+@pytest.mark.parametrize("module_name", ["builtins eval", "os system", "torch load", "torch onnx",
+                                         "torch.distributed.checkpoint.metadata os", "pathlib Path.write_text",
+                                         "torch.serialization load"])
+def test_the_metadata_allow_list_resolves_nothing_else(module_name):
+    module, name = module_name.split()
+    with pytest.raises(pickle.UnpicklingError, match="is not allowed in DCP metadata"):
+        safe_load.loads_metadata(f"c{module}\n{name}\n.".encode())  # protocol 0: GLOBAL, STOP
+    with pytest.raises(pickle.UnpicklingError, match="not a DCP Metadata"):
+        safe_load.loads_metadata(pickle.dumps({"state_dict_metadata": {}}))
