@@ -217,3 +217,13 @@ def test_the_metadata_allow_list_resolves_nothing_else(module_name):
         safe_load.loads_metadata(f"c{module}\n{name}\n.".encode())  # protocol 0: GLOBAL, STOP
     with pytest.raises(pickle.UnpicklingError, match="not a DCP Metadata"):
         safe_load.loads_metadata(pickle.dumps({"state_dict_metadata": {}}))
+
+
+def test_metadata_that_points_outside_the_checkpoint_is_refused(tmp_path):
+    ckpt = tmp_path / "step-00000001"
+    _save(ckpt, 1)
+    metadata = safe_load.SafeReader(str(ckpt)).read_metadata()
+    for info in metadata.storage_data.values():
+        info.relative_path = "../../etc/passwd"
+    with pytest.raises(pickle.UnpicklingError, match="not a file of the checkpoint directory"):
+        safe_load.loads_metadata(pickle.dumps(metadata))

@@ -62,6 +62,10 @@ def loads_metadata(data: bytes) -> Metadata:
     if not isinstance(metadata, Metadata) or not isinstance(metadata.state_dict_metadata, dict) \
             or not isinstance(metadata.storage_data, dict):
         raise pickle.UnpicklingError(f"holds a {type(metadata).__name__}, not a DCP Metadata")
+    for info in metadata.storage_data.values():  # where the data lies: a file of this directory only
+        rel = getattr(info, "relative_path", None)
+        if not isinstance(rel, str) or not rel or "/" in rel or "\\" in rel or rel in (".", ".."):
+            raise pickle.UnpicklingError(f"names the data file {rel!r}, not a file of the checkpoint directory")
     return metadata
 
 
