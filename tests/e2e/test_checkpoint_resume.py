@@ -146,7 +146,7 @@ def test_bad_resume_path_is_one_line_exit_2(reference, tmp_path):
     other_shape = reference / "checkpoints" / f"step-{STEPS:08d}"
     for args, expected in [
         (["--resume", str(not_a_ckpt)], "not a meshrun checkpoint directory"),
-        (["--resume", str(other_shape), "--set", "model.dim=32"], "saved from another model shape"),
+        (["--resume", str(other_shape), "--set", "model.dim=32"], "does not fit this model"),
     ]:
         result = meshrun(*_args(tmp_path, "bad", *args), timeout=90, cwd=tmp_path, env=ENV)
         assert result.returncode == 2, result.output

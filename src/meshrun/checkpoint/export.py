@@ -3,21 +3,20 @@
     meshrun ckpt export runs/x/checkpoints/step-00000100 --format safetensors model.safetensors
 
 Export needs no process group: it reads DCP's metadata, then one tensor at a time through
-`dcp.load(..., no_dist=True)`, so each saved shard layout is assembled into plain full tensors
+`dcp.load(..., no_dist=True)` (through safe_load.py's readers), so each saved shard layout is assembled into plain full tensors
 and the model is held once (the output dict), never twice. Only `model.*` is exported.
 """
 
 from __future__ import annotations
 
-import warnings
 from pathlib import Path
 
 import torch
-import torch.distributed.checkpoint as dcp
 from torch import nn
 
 from meshrun.checkpoint import manifest as mf
-from meshrun.checkpoint.verify import saved_tensors
+from meshrun.checkpoint import safe_load
+from meshrun.checkpoint.verify import differences, saved_tensors
 from meshrun.errors import ConfigError, ModelError
 
 FORMATS = ("safetensors", "torch")
@@ -30,14 +29,18 @@ def inspect(ckpt: Path, *, checksums: bool = True) -> dict:
         raise mf.CheckpointError(f"{ckpt} is not a meshrun checkpoint (no {mf.MANIFEST} or DCP .metadata); "
                                  "give a directory such as RUN/checkpoints/step-00000010")
     bad = mf.problem(ckpt, checksums=checksums)
-    info: dict = {"path": str(ckpt), "valid": bad is None, "problem": bad, "step": None, "layout": {}}
+    info: dict = {"path": str(ckpt), "valid": bad is None, "problem": bad, "step": None, "layout": {},
+                  "tensors": []}
+    if bad is not None:  # nothing of a damaged checkpoint is unpickled, not even through safe readers
+        try:
+            info.update(step=mf.read_manifest(ckpt)["step"], layout=mf.read_manifest(ckpt).get("layout", {}))
+        except mf.CheckpointError:
+            pass
+        return info
+    tensors = []
     try:
         saved = torch.load(ckpt / mf.TRAIN_STATE, weights_only=True)
         info.update(step=saved["step"], layout=saved["layout"], data=saved["data"])
-    except Exception as exc:  # noqa: BLE001 - a damaged file is reported, not raised
-        info["problem"] = info["problem"] or f"{ckpt / mf.TRAIN_STATE} is unreadable ({type(exc).__name__})"
-    tensors = []
-    try:
         for key, md in sorted(saved_tensors(ckpt).items()):
             numel = 1
             for d in md.size:
@@ -45,8 +48,9 @@ def inspect(ckpt: Path, *, checksums: bool = True) -> dict:
             dtype = md.properties.dtype
             tensors.append({"name": key, "shape": list(md.size), "dtype": str(dtype).replace("torch.", ""),
                             "bytes": numel * dtype.itemsize})
-    except mf.CheckpointError as exc:
-        info["problem"] = info["problem"] or str(exc)
+    except Exception as exc:  # noqa: BLE001 - a file that passed its checksum but does not parse is reported
+        info.update(valid=False, problem=f"{ckpt} does not parse as a meshrun checkpoint ({type(exc).__name__}: "
+                                         f"{exc})")
     info["tensors"] = tensors
     return info
 
@@ -67,9 +71,11 @@ def export(ckpt: Path, out: Path, *, fmt: str = "safetensors") -> dict[str, tupl
         if not key.startswith("model."):
             continue
         tensor = torch.empty(tuple(md.size), dtype=md.properties.dtype)
-        with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
-            warnings.simplefilter("ignore", UserWarning)
-            dcp.load({"model": {key[len("model."):]: tensor}}, checkpoint_id=str(ckpt), no_dist=True)
+        try:
+            safe_load.load({"model": {key[len("model."):]: tensor}}, ckpt, no_dist=True)
+        except Exception as exc:  # noqa: BLE001 - data that passed its checksums yet does not load
+            raise mf.CheckpointError(f"{ckpt}: the tensor {key} does not load as its metadata describes it "
+                                     f"(shape {list(md.size)}; {type(exc).__name__}: {exc})") from None
         state[key[len("model."):]] = tensor
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -104,14 +110,10 @@ def load_consolidated(model: nn.Module, path: str | Path) -> None:
     """Copy a consolidated file's weights into `model`; a name or shape mismatch is one clear line."""
     state = read_consolidated(path)
     own = model.state_dict()
-    missing = sorted(set(own) - set(state))
-    if missing:
-        raise ModelError(f"model.init_from={str(path)!r} has no weight {missing[0]!r} (and {len(missing) - 1} "
-                         "more): it was saved from another model")
-    for name, tensor in own.items():
-        if tuple(state[name].shape) != tuple(tensor.shape):
-            raise ModelError(f"model.init_from={str(path)!r}: {name} has shape {list(state[name].shape)}, "
-                             f"this model's is {list(tensor.shape)}; use the model config it was saved with")
+    diff = differences({k: tuple(v.shape) for k, v in state.items()}, {k: tuple(v.shape) for k, v in own.items()})
+    if diff:
+        raise ModelError(f"model.init_from={str(path)!r} does not fit this model: {diff}; "
+                         "use the model config it was saved with")
     model.load_state_dict({k: state[k] for k in own})
 
 

@@ -30,7 +30,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 from meshrun.checkpoint import manifest as mf
-from meshrun.checkpoint import selection
+from meshrun.checkpoint import safe_load, selection
 from meshrun.checkpoint.preemption import Preempted, PreemptionSignals, write_marker
 from meshrun.checkpoint.samples import SampleLog
 from meshrun.checkpoint.state import (
@@ -109,10 +109,10 @@ class Checkpointer:
         return self.resumed_from
 
     def _load(self, path: Path, state: TrainState) -> None:
-        saved = torch.load(path / mf.TRAIN_STATE, weights_only=True)
         tensors = tensor_state(state)
-        check_fits(path, tensors["model"])
-        dcp.load(tensors, checkpoint_id=str(path))
+        check_fits(path, _whole_model_shapes(tensors["model"]))  # before anything of it is loaded
+        saved = torch.load(path / mf.TRAIN_STATE, weights_only=True)
+        safe_load.load(tensors, path)
         apply_tensor_state(state, tensors)
         apply_train_state(state, saved)
         rng_file = path / "rng" / f"rank-{self.env.rank:05d}.pt"
@@ -218,6 +218,17 @@ def _broadcast(value):
         dist.broadcast_object_list(box, src=0)
         return box[0]
     return value
+
+
+def _whole_model_shapes(model: dict) -> dict[str, tuple[int, ...]]:
+    """name -> global shape over every rank's model parts (pipeline stages differ by rank)."""
+    shapes = {name: tuple(t.shape) for name, t in model.items()}
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        every: list = [None] * dist.get_world_size()
+        dist.all_gather_object(every, shapes)
+        for part in every:
+            shapes.update(part)
+    return shapes
 
 
 def _describe(layout: dict) -> str:

@@ -19,6 +19,7 @@ import os
 import re
 from pathlib import Path
 
+from meshrun.checkpoint.schema import MAX_MANIFEST_BYTES, SELF_SHA, VERSION, check_manifest
 from meshrun.errors import MeshrunError
 
 MANIFEST = "manifest.json"
@@ -64,18 +65,27 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not a number a manifest holds")
+
+
 def _files(ckpt: Path) -> list[Path]:
     return sorted(p for p in ckpt.rglob("*") if p.is_file() and p.name != MANIFEST)
 
 
+def _canonical(manifest: dict) -> str:
+    return json.dumps(manifest, indent=1, sort_keys=True)
+
+
 def write_manifest(ckpt: Path, **info) -> dict:
-    """Record every file's size and sha256; fsync'd, so a committed manifest is on disk."""
+    """Record every file's size and sha256, and the manifest's own; fsync'd, so a committed one is on disk."""
     files = {p.relative_to(ckpt).as_posix(): {"bytes": p.stat().st_size, "sha256": _sha256(p)}
              for p in _files(ckpt)}
-    manifest = {"version": 1, **info, "files": files}
+    manifest = {"version": VERSION, **info, "files": files}
+    manifest[SELF_SHA] = hashlib.sha256(_canonical(manifest).encode()).hexdigest()
     tmp = ckpt / (MANIFEST + ".tmp")
     with open(tmp, "w") as fp:
-        json.dump(manifest, fp, indent=1, sort_keys=True)
+        fp.write(_canonical(manifest))
         fp.flush()
         os.fsync(fp.fileno())
     tmp.replace(ckpt / MANIFEST)
@@ -83,32 +93,45 @@ def write_manifest(ckpt: Path, **info) -> dict:
 
 
 def read_manifest(ckpt: Path) -> dict:
+    """The manifest of `ckpt`, checked byte for byte and field by field; any flaw is a CheckpointError."""
+    path = Path(ckpt) / MANIFEST
     try:
-        return json.loads((Path(ckpt) / MANIFEST).read_text())
-    except (OSError, ValueError) as exc:
-        raise CheckpointError(f"{ckpt}: {MANIFEST} is unreadable ({exc})") from None
+        size = path.stat().st_size
+        if size > MAX_MANIFEST_BYTES:
+            raise ValueError(f"{size} bytes, far more than a manifest holds")
+        text = path.read_bytes().decode("utf-8")
+        manifest = json.loads(text, parse_constant=_no_constant)
+        check_manifest(manifest, text, step_dir=Path(ckpt).name)
+    except (OSError, ValueError, TypeError, RecursionError) as exc:
+        raise CheckpointError(f"{path} is damaged ({exc})") from None
+    return manifest
 
 
 def problem(ckpt: Path, *, checksums: bool = True) -> str | None:
-    """None when `ckpt` is complete and intact, else what is wrong, naming the bad file."""
+    """None when `ckpt` is complete and intact, else what is wrong, naming the bad file. Never raises."""
     ckpt = Path(ckpt)
-    if not ckpt.is_dir():
-        return f"{ckpt} is not a directory"
-    if not (ckpt / MANIFEST).is_file():
-        return f"{ckpt} has no {MANIFEST}: its write never committed"
     try:
+        if not ckpt.is_dir():
+            return f"{ckpt} is not a directory"
+        if not (ckpt / MANIFEST).is_file():
+            return f"{ckpt} has no {MANIFEST}: its write never committed"
         files = read_manifest(ckpt)["files"]
-    except (CheckpointError, KeyError) as exc:
+        for rel, entry in files.items():
+            path = ckpt / rel
+            if not path.is_file():
+                return f"{path} is missing"
+            size = path.stat().st_size
+            if size != entry["bytes"]:
+                return f"{path} is {size} bytes, the manifest says {entry['bytes']} (truncated or overwritten)"
+            if checksums and _sha256(path) != entry["sha256"]:
+                return f"{path} fails its sha256 check (corrupt)"
+        extra = [p for p in _files(ckpt) if p.relative_to(ckpt).as_posix() not in files]
+        if extra:
+            return f"{extra[0]} is not in the {MANIFEST}: the directory changed after it was written"
+    except CheckpointError as exc:
         return str(exc)
-    for rel, entry in files.items():
-        path = ckpt / rel
-        if not path.is_file():
-            return f"{path} is missing"
-        size = path.stat().st_size
-        if size != entry["bytes"]:
-            return f"{path} is {size} bytes, the manifest says {entry['bytes']} (truncated or overwritten)"
-        if checksums and _sha256(path) != entry["sha256"]:
-            return f"{path} fails its sha256 check (corrupt)"
+    except OSError as exc:
+        return f"{ckpt} is unreadable ({exc})"
     return None
 
 

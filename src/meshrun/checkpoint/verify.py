@@ -2,42 +2,60 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import torch
 from torch import nn
-from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from meshrun.checkpoint import manifest as mf
 from meshrun.checkpoint.manifest import CheckpointError
+from meshrun.checkpoint.safe_load import read_metadata
+
+_FIX = "resume with the model config it was saved with, or start fresh with --resume never"
 
 
 def saved_tensors(path: Path) -> dict[str, TensorStorageMetadata]:
-    """Every tensor in a DCP checkpoint: flattened key -> metadata (global size, dtype)."""
-    try:
-        metadata = FileSystemReader(str(path)).read_metadata()
-    except Exception as exc:  # noqa: BLE001 - any unreadable metadata is the same user problem
-        raise CheckpointError(f"{path} has no readable DCP metadata ({type(exc).__name__}); "
-                              "give a checkpoint directory such as RUN/checkpoints/step-00000010") from None
+    """Every tensor in a DCP checkpoint: flattened key -> metadata (global size, dtype).
+
+    Read through the restricted unpickler (safe_load.py); call it only once the manifest checks pass.
+    """
+    metadata = read_metadata(path)
     return {k: v for k, v in metadata.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
 
 
-def check_fits(path: Path, model_state: dict[str, torch.Tensor]) -> None:
-    """Raise a one-line CheckpointError when the saved model's tensors differ from `model_state`'s."""
-    saved = {k[len("model."):]: v for k, v in saved_tensors(path).items() if k.startswith("model.")}
-    missing = sorted(set(model_state) - set(saved))
-    if missing:
-        raise CheckpointError(f"checkpoint {path} has no tensor {missing[0]!r} (and {len(missing) - 1} more) of "
-                              "this model: it was saved from another model; resume with the model config it "
-                              "was saved with, or start fresh with --resume never")
-    for name, tensor in model_state.items():
-        shape = tuple(saved[name].size)
-        if shape != tuple(tensor.shape):
-            raise CheckpointError(f"checkpoint {path} holds {name} with shape {list(shape)}, but this model's is "
-                                  f"{list(tensor.shape)}: it was saved from another model shape; resume with "
-                                  "the model config it was saved with, or start fresh with --resume never")
+def _shape(value) -> tuple[int, ...]:
+    return tuple(value.shape if hasattr(value, "shape") else value)
+
+
+def differences(saved: Mapping[str, tuple], own: Mapping[str, tuple], *, limit: int = 3) -> str | None:
+    """None when both map the same names to the same shapes, else the first few differences in one line."""
+    groups = [("missing from the checkpoint", sorted(set(own) - set(saved))),
+              ("not in this model", sorted(set(saved) - set(own))),
+              ("of another shape", [f"{name} {list(saved[name])} saved, {list(own[name])} here"
+                                    for name in sorted(set(own) & set(saved))
+                                    if tuple(saved[name]) != tuple(own[name])])]
+    total, parts, shown = sum(len(names) for _, names in groups), [], 0
+    for what, names in groups:
+        if names and shown < limit:
+            parts.append(f"{what}: {', '.join(names[:limit - shown])}")
+            shown += len(names[:limit - shown])
+    if not total:
+        return None
+    return "; ".join(parts) + (f" (and {total - shown} more)" if total > shown else "")
+
+
+def check_fits(path: Path, model_state: Mapping[str, torch.Tensor | tuple[int, ...]]) -> None:
+    """Raise a one-line CheckpointError when the saved model's tensor names or shapes differ.
+
+    `model_state` is the whole model's: name -> tensor (or shape). A checkpoint with more tensors
+    than the model (e.g. 4 layers for a 2-layer model) does not fit either.
+    """
+    saved = {k[len("model."):]: tuple(v.size) for k, v in saved_tensors(path).items() if k.startswith("model.")}
+    diff = differences(saved, {k: _shape(v) for k, v in model_state.items()})
+    if diff:
+        raise CheckpointError(f"checkpoint {path} does not fit this model: {diff}; {_FIX}")
 
 
 def check_resume(resume: str, build_model: Callable[[], nn.Module]) -> None:

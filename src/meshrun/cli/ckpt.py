@@ -83,6 +83,9 @@ def _inspect(ckpt: Path, as_json: bool) -> int:
         d = info["data"]
         print(f"data        epoch {d.get('epoch')}, {d.get('consumed')} of {d.get('num_samples')} samples consumed")
     print(f"valid       {'yes' if info['valid'] else 'NO: ' + str(info['problem'])}")
+    if not info["valid"]:
+        print("tensors     not read: a damaged checkpoint is never parsed beyond its manifest")
+        return 1
     print(f"tensors     {len(info['tensors'])}, {_size(total)}")
     width = max((len(t["name"]) for t in info["tensors"]), default=10)
     for t in info["tensors"]:
