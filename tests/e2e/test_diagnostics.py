@@ -67,7 +67,7 @@ def _diagnose(logs) -> tuple[str, dict]:
 
 
 def test_stalled_rank_hang_watchdog_dumps_every_stack(tmp_path):
-    result, logs, since_fault = _launch(tmp_path, "stall", "--hang-timeout", "20")
+    result, logs, since_fault = _launch(tmp_path, "stall", "--hang-timeout", "10")
     out = result.output
     assert result.returncode != 0, out
     assert since_fault is not None, out  # the stall happened, and the job ended (bounded by _launch)
