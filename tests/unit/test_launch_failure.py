@@ -32,7 +32,7 @@ def _rank_dir(root, local_rank: int, exc_type: str, text: str, when: float):
     (rank_dir / "stderr.log").write_text(f"Traceback (most recent call last):\n{exc_type}: {text}\n")
     error = {"message": {"message": f"{exc_type}: {text}"},
              "meshrun": {"time": when, "type": exc_type, "text": text, "file": "/x/fails.py", "line": SITE_LINE,
-                         "function": "<module>", "rank": str(local_rank)}}
+                         "function": "<module>", "rank": str(local_rank), "pid": 10 + local_rank}}
     (rank_dir / "error.json").write_text(json.dumps(error))
     return rank_dir
 
@@ -106,6 +106,21 @@ def test_attempt_notice_of_the_race(race):
     line = out.getvalue()
     assert f"rank 1 (local rank 1, pid 11): ValueError: bad batch at step 3 at /x/fails.py:{SITE_LINE}" in line
     assert "killed by" not in line and "consequence" not in line
+
+
+def test_attempt_notice_when_the_agent_picked_the_follow_on_rank(race):
+    # The agent's whole-second ordering can name rank 0 (the 'Connection closed' consequence) as its
+    # first failure; the notice still leads with rank 1, and its pid comes from its error file.
+    root, _ = race
+    out = io.StringIO()
+    recorder = AttemptRecorder(str(root), max_restarts=1, stream=out)
+    record = logging.LogRecord("torch.distributed.elastic.multiprocessing.api", logging.ERROR, __file__, 1,
+                               "failed (exitcode: %s) local_rank: %s (pid: %s) of binary: %s",
+                               (1, 0, 10, "python"), None)
+    recorder.emit(record)
+    line = out.getvalue()
+    assert f"rank 1 (local rank 1, pid 11): ValueError: bad batch at step 3 at /x/fails.py:{SITE_LINE}" in line
+    assert "consequence" not in line
 
 
 def test_diagnose_of_the_race(race):

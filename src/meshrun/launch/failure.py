@@ -163,6 +163,8 @@ class RankFailure:
             self.hint = extra.get("hint")
             if self.rank < 0 and str(extra.get("rank", "")).isdigit():
                 self.rank = int(extra["rank"])
+            if not self.pid and isinstance(extra.get("pid"), int) and extra["pid"] > 0:
+                self.pid = extra["pid"]
         elif isinstance(message, dict):  # torchelastic @record format: "Type: text" + py_callstack
             self.exc_type, _, self.exc_text = str(message.get("message", "")).partition(": ")
             stack = str(message.get("extraInfo", {}).get("py_callstack", ""))

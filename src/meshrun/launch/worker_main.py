@@ -81,6 +81,7 @@ def _write_error_file(exc: BaseException, tb, formatted: str, hint: str | None =
             "raised_file": raised[0],
             "raised_line": raised[1],
             "rank": os.environ.get("RANK"),
+            "pid": os.getpid(),  # the agent reports only its first failure's pid; this names the others
             "hint": hint,
         },
     }
