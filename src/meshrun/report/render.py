@@ -62,8 +62,9 @@ def _rank_chart(run: RunData, straggler: Straggler | None) -> Chart:
         keep = {f"rank {straggler.slowest}", f"rank {straggler.fastest}"}
         series = [s for s in series if s.label in keep] + [
             Series(f"median of {len(points)} ranks", steps, [statistics.median(by_step[x]) for x in steps])]
-    note = straggler.note if straggler else ("one rank: nothing to compare" if run.ranks
-                                             else f"no {RANKS_DIR}/rank<N>.jsonl files")
+    # The verdict on the ranks (balanced, or which one straggles) is said once, in the summary table.
+    note = None if straggler else ("one rank: nothing to compare" if run.ranks
+                                   else f"no {RANKS_DIR}/rank<N>.jsonl files")
     title = "Local work per rank (data + compute)" if local else "Step time per rank"
     return Chart("ranks", title, "step", "seconds", [s for s in series if s.xs], note, y_from_zero=True)
 
@@ -90,11 +91,42 @@ def _meta_value(key: str, value: Any) -> str:
     return str(value) if isinstance(value, int) and abs(value) < 10**6 else format_number(value)
 
 
+# Meta keys the summary states in a row of its own (throughput, memory), or that are not settings.
+_NOT_SETTINGS = ("kind", "time", "event", "tokens_per_s", "peak_mem_bytes")
+
+
+def _throughput(run: RunData) -> str | None:
+    """One tokens/s figure, with its definition: the run's own total when it finished, else the median."""
+    total = run.meta.get("tokens_per_s")
+    if isinstance(total, (int, float)) and not isinstance(total, bool):
+        return (f"{format_number(total)} (all ranks together: tokens trained / time spent in "
+                "training steps, first 2 steps left out)")
+    median = median_of(run.train, "tokens_per_s")
+    if median is None:
+        return None
+    return f"{format_number(median)} (all ranks together: median over the logged steps; the run has no end record)"
+
+
+def _peak_memory(run: RunData, stats: list[RankStats]) -> str | None:
+    """Peak memory, once: per rank when the ranks logged it, else rank 0's logged peak."""
+    peaks = [r for r in run.train if isinstance(r.get("peak_mem_bytes"), (int, float))]
+    kind = peaks[-1].get("peak_mem_kind", "unknown kind") if peaks else "rss"
+    mems = {s.rank: s.peak_mem_bytes for s in stats if s.peak_mem_bytes is not None}
+    if mems:
+        top, low = max(mems, key=mems.get), min(mems, key=mems.get)
+        return (f"{mems[top] / 2**30:.2f} GiB on rank {top} (most), {mems[low] / 2**30:.2f} GiB "
+                f"on rank {low} (least); {kind}")
+    if peaks:
+        peak = max(r["peak_mem_bytes"] for r in peaks)
+        return f"{peak / 2**30:.2f} GiB on rank 0; {kind}"
+    return None
+
+
 def summary_rows(run: RunData, stats: list[RankStats], straggler: Straggler | None) -> list[tuple[str, str]]:
     """(label, value) rows of the summary table."""
     rows = [("run", run.name)]
     rows += [(key, _meta_value(key, value)) for key, value in run.meta.items()
-             if key not in ("kind", "time", "event") and isinstance(value, (str, int, float, bool))]
+             if key not in _NOT_SETTINGS and not key.startswith("rss_") and isinstance(value, (str, int, float, bool))]
     if run.train:
         rows.append(("steps", f"{run.train[-1]['step']} ({len(run.train)} train records)"))
         losses = [r["loss"] for r in run.train if isinstance(r.get("loss"), (int, float))]
@@ -106,24 +138,19 @@ def summary_rows(run: RunData, stats: list[RankStats], straggler: Straggler | No
         rows.append(("eval loss", f"{evals[-1]['eval_loss']:.4f} final (step {evals[-1]['step']}), "
                                   f"{best['eval_loss']:.4f} best (step {best['step']}), "
                                   f"{evals[0]['eval_loss']:.4f} first"))
-    for key, label, fmt in (("tokens_per_s", "median tokens/s", format_number),
-                            ("step_time_s", "median step time", lambda v: f"{v:.4g} s"),
+    throughput = _throughput(run)
+    if throughput:
+        rows.append(("tokens/s", throughput))
+    for key, label, fmt in (("step_time_s", "median step time", lambda v: f"{v:.4g} s"),
                             ("mfu", "median MFU", lambda v: f"{v:.1%}")):
         value = median_of(run.train, key)
         if value is not None:
             rows.append((label, fmt(value)))
-    peaks = [r for r in run.train if isinstance(r.get("peak_mem_bytes"), (int, float))]
-    if peaks:
-        peak = max(peaks, key=lambda r: r["peak_mem_bytes"])
-        rows.append(("peak memory", f"{peak['peak_mem_bytes'] / 2**30:.2f} GiB "
-                                    f"({peak.get('peak_mem_kind', 'unknown kind')}, rank 0)"))
+    memory = _peak_memory(run, stats)
+    if memory:
+        rows.append(("peak memory", memory))
     if stats:
         rows.append(("ranks", f"{len(stats)} with step times"))
-    mems = {s.rank: s.peak_mem_bytes for s in stats if s.peak_mem_bytes is not None}
-    if mems:
-        top, low = max(mems, key=mems.get), min(mems, key=mems.get)
-        rows.append(("peak memory per rank", f"max {mems[top] / 2**30:.2f} GiB on rank {top}, "
-                                             f"min {mems[low] / 2**30:.2f} GiB on rank {low}"))
     if straggler:
         rows.append(("slowest rank", straggler.note))
     times = [r["time"] for r in run.train + run.eval if isinstance(r.get("time"), (int, float))]
