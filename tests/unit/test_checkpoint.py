@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from types import SimpleNamespace
 
 import pytest
@@ -100,6 +101,23 @@ def test_ckpt_list_inspect_and_export_cli(tmp_path, capsys):
     assert "valid       NO:" in capsys.readouterr().out
     with pytest.raises(mf.CheckpointError, match="will not export a damaged checkpoint"):
         main(["export", str(ckpt), str(exported)])
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o077])
+def test_exports_and_configs_follow_the_umask(tmp_path, umask):
+    from meshrun.checkpoint.export import export
+    from meshrun.config import load_config, save_config
+
+    ckpt, _ = _real_ckpt(tmp_path)
+    old = os.umask(umask)
+    try:
+        written = [save_config(load_config(None, []), tmp_path / "config.toml")]
+        for fmt in ("safetensors", "torch"):
+            export(ckpt, tmp_path / f"model.{fmt}", fmt=fmt)
+            written.append(tmp_path / f"model.{fmt}")
+    finally:
+        os.umask(old)
+    assert {oct(path.stat().st_mode & 0o777) for path in written} == {oct(0o666 & ~umask)}
 
 
 @pytest.mark.parametrize(

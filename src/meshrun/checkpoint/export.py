@@ -18,6 +18,7 @@ from meshrun.checkpoint import manifest as mf
 from meshrun.checkpoint import safe_load
 from meshrun.checkpoint.verify import differences, saved_tensors
 from meshrun.errors import ConfigError, ModelError
+from meshrun.runtime.files import follow_umask
 
 FORMATS = ("safetensors", "torch")
 
@@ -84,6 +85,7 @@ def export(ckpt: Path, out: Path, *, fmt: str = "safetensors") -> dict[str, tupl
         save_file(state, str(tmp), metadata={"format": "pt", "source": str(ckpt)})
     else:
         torch.save(state, tmp)
+    follow_umask(tmp)  # safetensors creates 0600; an export is as readable as torch.save's files
     tmp.replace(out)
     return {k: tuple(v.shape) for k, v in state.items()}
 

@@ -11,6 +11,7 @@ from typing import Any
 
 from meshrun.config.base import AUTO
 from meshrun.config.sections import SECTIONS, JobConfig
+from meshrun.runtime.files import follow_umask
 
 CONFIG_FILE = "config.toml"
 """The resolved config's file name in a run directory (runs/<name>/config.toml)."""
@@ -72,6 +73,7 @@ def save_config(cfg: JobConfig, path: str | os.PathLike[str]) -> Path:
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as fh:
             fh.write(to_toml(cfg, docs=True))
+        follow_umask(tmp)  # mkstemp makes 0600; a config is as readable as any file the user writes
         os.replace(tmp, path)  # readers never see a half-written config
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
