@@ -26,14 +26,20 @@ def test_plan_table_and_recommendation(run):
     assert code == 0, err
     assert "dp_rep  dp_shard  tp  pp  params  grads  optim" in out
     assert "9 layouts" in out and "fits" in out and " yes" in out
-    assert "recommended: dp_replicate=1 dp_shard=4 tp=1 pp=1" in out
-    assert '[parallel]\nstrategy = "fsdp"\ndp_replicate = 1\ndp_shard = 4\ntp = 1\npp = 1' in out
+    # a tiny model: replicas, not shards, and sizes in MiB so that the columns differ
+    assert "MiB per rank, 9 layouts" in out and " 0.000  0.000 " not in out
+    assert "recommended: dp_replicate=4 dp_shard=1 tp=1 pp=1" in out and "replicas (DDP) beat sharding" in out
+    assert '[parallel]\nstrategy = "ddp"\ndp_replicate = 4\ndp_shard = 1\ntp = 1\npp = 1' in out
+    # a model whose training state is GiBs: sharded, in GiB
+    code, out, err = run("--model", "1b", "--world", "4", "--batch-size", "1", "--seq-len", "512")
+    assert code == 0, err
+    assert "GiB per rank" in out and "recommended: dp_replicate=1 dp_shard=4 tp=1 pp=1" in out
 
 
 def test_plan_places_the_configs_resolved_layout_in_the_table(run):
     code, out, err = run("--model", "tiny", "--world", "4", "--set", "parallel.strategy=fsdp")
     assert code == 0, err
-    assert "config [parallel] on 4 ranks: fsdp: dp_shard 4 (world 4); params fp32, reduce fp32 (row 1)" in out
+    assert "config [parallel] on 4 ranks: fsdp: dp_shard 4 (world 4); params fp32, reduce fp32 (row " in out
     code, out, err = run("--model", "tiny", "--world", "4", "--set", "parallel.strategy=fsdp", "--set", "parallel.tp=4")
     assert code == 0, err  # the table is still useful: it shows what would fit
     assert "config [parallel] on 4 ranks: refused (parallel.tp=4 does not divide model.n_kv_heads=2" in out

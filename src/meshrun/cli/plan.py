@@ -20,7 +20,9 @@ from meshrun.plan.memory import GIB, MemoryEstimate, Plan, candidates
 
 EPILOG = """\
 ranking: layouts that fit --device-memory first; then the least model parallelism (tp x pp;
-TP before PP at equal products); then the least total memory per rank. Sizes are GiB per rank.
+TP before PP at equal products); then, for a model whose training state is under 1 GiB, plain
+data parallel (no sharding); then the least total memory per rank. Sizes are per rank, in GiB,
+or MiB when every layout needs under 1 GiB.
 params are fp32 (meshrun keeps fp32 weights; bf16 is autocast), optim is AdamW's two moments.
 
 examples:
@@ -78,20 +80,30 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _fmt(n: int) -> str:
-    return f"{n / GIB:.3f}" if n < 10 * GIB else f"{n / GIB:.1f}"
+MIB = 2**20
+
+
+def table_unit(plan: Plan) -> tuple[str, int]:
+    """GiB when some layout needs 1 GiB or more per rank, else MiB, so that small models show differences."""
+    return ("GiB", GIB) if max(e.total for e in plan.ranked) >= GIB else ("MiB", MIB)
+
+
+def _fmt(n: int, unit: int = GIB) -> str:
+    value = n / unit
+    return f"{value:.1f}" if value >= 10 else f"{value:.3f}"
 
 
 def format_table(plan: Plan, top: int) -> str:
     cols = ("#", "dp_rep", "dp_shard", "tp", "pp", "params", "grads", "optim", "fsdp_buf",
             "activ", "total", "fits")
     rows = []
+    _, unit = table_unit(plan)
     for i, e in enumerate(plan.ranked[:top], 1):
         d = e.dims
         fits = "-" if e.fits is None else "yes" if e.fits else "no"
         rows.append((str(i), str(d.dp_replicate), str(d.dp_shard), str(d.tp), str(d.pp),
-                     _fmt(e.params), _fmt(e.grads), _fmt(e.optim), _fmt(e.fsdp_buffers),
-                     _fmt(e.activations), _fmt(e.total), fits))
+                     _fmt(e.params, unit), _fmt(e.grads, unit), _fmt(e.optim, unit),
+                     _fmt(e.fsdp_buffers, unit), _fmt(e.activations, unit), _fmt(e.total, unit), fits))
     widths = [max(len(r[i]) for r in [cols, *rows]) for i in range(len(cols))]
     lines = ["  ".join(c.rjust(w) for c, w in zip(row, widths, strict=True)) for row in [cols, *rows]]
     if len(plan.ranked) > top:
@@ -176,7 +188,8 @@ def main(argv: list[str]) -> int:
           f"seq {seq} per data-parallel rank, {dtype}"
           + (", activation checkpointing" if ac else "")
           + (f"   device memory: {a.device_memory:g} GiB" if limit else ""))
-    print(f"GiB per rank, {len(plan.ranked)} layouts, best first:")
+    unit_name, unit = table_unit(plan)
+    print(f"{unit_name} per rank, {len(plan.ranked)} layouts, best first:")
     print(format_table(plan, a.top))
     print(_config_line(cfg, plan, args, a.world, batch))
     best = plan.recommended
@@ -186,6 +199,9 @@ def main(argv: list[str]) -> int:
                           f"the smallest needs {smallest.total / GIB:.2f} GiB ({smallest.layout}); "
                           "use more ranks, a smaller --batch-size/--seq-len, "
                           "--activation-checkpointing or --dtype bf16")
-    print(f"\nrecommended: {best.layout} ({best.total / GIB:.3f} GiB per rank); paste into your config:\n")
+    why = ("; the model's training state is under 1 GiB, so replicas (DDP) beat sharding"
+           if best.dims.dp_shard == best.dims.tp == best.dims.pp == 1 and best.dims.world_size > 1 else "")
+    print(f"\nrecommended: {best.layout} ({_fmt(best.total, unit)} {unit_name} per rank{why}); "
+          "paste into your config:\n")
     print(parallel_toml(best))
     return 0

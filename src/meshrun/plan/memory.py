@@ -132,13 +132,21 @@ class Plan:
         return self.ranked[0]
 
 
+# A model whose whole training state (fp32 weights, grads, AdamW's moments) is below this is
+# replicated, not sharded, when replicas fit: sharding it saves little memory and adds collectives.
+REPLICATE_BELOW = 2**30
+
+
 def rank_key(est: MemoryEstimate) -> tuple:
     """The ranking rule: layouts that fit first; then the least model parallelism (tp x pp, as
     TP puts collectives inside every block and PP adds a pipeline bubble, while FSDP's traffic
-    overlaps with compute), PP after TP at equal products; then the least total memory per
+    overlaps with compute), PP after TP at equal products; then, for a model whose training state
+    is under REPLICATE_BELOW, the least sharding (plain DDP); then the least total memory per
     rank; then fewer replicas (more sharding) as the tie-break."""
     d = est.dims
-    return (est.fits is False, d.tp * d.pp, d.pp, est.total, d.dp_replicate)
+    state = (est.params + est.grads + est.optim) * d.dp_shard * d.tp * d.pp  # unsharded, roughly
+    small = state < REPLICATE_BELOW
+    return (est.fits is False, d.tp * d.pp, d.pp, d.dp_shard if small else 0, est.total, d.dp_replicate)
 
 
 def candidates(args: ModelArgs, *, world_size: int, batch_size: int, seq_len: int,
