@@ -245,10 +245,15 @@ def test_split_is_contiguous_held_out_tail():
     train, val = split_tokens(tokens, 0.2, seq_len=8)
     assert train.tolist() == list(range(80)) and val.tolist() == list(range(80, 100))
     assert split_tokens(tokens, 0.0, seq_len=8)[1] is None
-    with pytest.raises(DataError, match="data.val_fraction"):
+    with pytest.raises(DataError, match="use data.val_fraction between 0.09 and 0.91, or 0"):
         split_tokens(tokens, 0.05, seq_len=8)
-    with pytest.raises(DataError, match="seq_len"):
+    train, val = split_tokens(tokens, 0.09, seq_len=8)  # the advised bound itself works
+    assert len(val) == 9 and len(train) == 91
+    with pytest.raises(DataError, match="use more data or data.seq_len=99 or less"):
         split_tokens(tokens, 0.0, seq_len=200)
+    # too few tokens for both sides: no val_fraction helps, so none is advised
+    with pytest.raises(DataError, match=r"13 tokens: training and evaluation each need .* data.seq_len=5 or less"):
+        split_tokens(torch.arange(13), 0.05, seq_len=32)
 
 
 # -- sampler ---------------------------------------------------------------------------------------

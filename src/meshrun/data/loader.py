@@ -22,6 +22,7 @@ from torch.utils.data import DataLoader, Dataset, Subset
 
 from meshrun.data.corpus import load_corpus_text
 from meshrun.data.sampler import ResumableDistributedSampler
+from meshrun.data.split import split_sizes
 from meshrun.data.tokenizer import Tokenizer, load_tokenizer, tokenizer_fingerprint
 from meshrun.data.tokens import encode_file, encode_text, open_token_dir
 from meshrun.errors import DataError
@@ -61,18 +62,9 @@ class TokenWindowDataset(Dataset):
 def split_tokens(tokens: torch.Tensor, val_fraction: float, *,
                  seq_len: int) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Contiguous split: train = the head, val = the held-out tail of `val_fraction` of the tokens."""
-    if not 0.0 <= val_fraction < 1.0:
-        raise DataError(f"data.val_fraction must be in [0, 1), got {val_fraction}")
-    n = len(tokens)
-    n_val = round(n * val_fraction)
-    if val_fraction > 0 and n_val < seq_len + 1:
-        raise DataError(f"data.val_fraction={val_fraction} holds out {n_val} of {n} tokens, fewer than "
-                        f"one window of seq_len {seq_len} + 1; raise data.val_fraction or use more data")
-    train = tokens[: n - n_val]
-    if len(train) < seq_len + 1:
-        raise DataError(f"the data has {n} tokens, leaving {len(train)} for training: fewer than one "
-                        f"window of seq_len {seq_len} + 1; use more data or a smaller seq_len")
-    return train, (tokens[n - n_val :] if n_val else None)
+    n_train, n_val = split_sizes(len(tokens), val_fraction, seq_len)
+    train = tokens[:n_train]
+    return train, (tokens[n_train:] if n_val else None)
 
 
 def _batch_len(batch: Any) -> int:
