@@ -13,6 +13,7 @@ from meshrun.checkpoint import manifest as mf
 from meshrun.checkpoint.samples import consumed_between
 from meshrun.data.loader import InfiniteLoader
 from meshrun.data.sampler import ResumableDistributedSampler
+from meshrun.errors import ConfigError
 
 
 def _ckpt(tmp_path):
@@ -88,6 +89,9 @@ def test_ckpt_list_inspect_and_export_cli(tmp_path, capsys):
     ckpt, model = _real_ckpt(tmp_path)
     assert main(["list", str(tmp_path)]) == 0
     assert "step-00000003 (latest)" in capsys.readouterr().out
+    (tmp_path / "config.toml").write_text("")  # tmp_path is a run: a mistyped sibling names it
+    with pytest.raises(ConfigError, match=f"{tmp_path}x does not exist; .*runs there: .*{tmp_path.name}"):
+        main(["list", f"{tmp_path}x"])
     assert main(["inspect", str(ckpt)]) == 0
     out = capsys.readouterr().out
     assert "step        3" in out and "strategy=ddp" in out and "valid       yes" in out

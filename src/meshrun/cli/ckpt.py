@@ -48,6 +48,10 @@ def _list(run: Path) -> int:
     from meshrun.checkpoint import manifest as mf
 
     root = run if run.name == mf.CHECKPOINTS else mf.checkpoints_dir(run)
+    if not run.exists():
+        runs = sorted(p.parent.name for p in run.parent.glob("*/config.toml")) if run.parent.is_dir() else []
+        near = f" (runs there: {', '.join(runs[:5])}{', ...' if len(runs) > 5 else ''})" if runs else ""
+        raise ConfigError(f"{run} does not exist; give a run directory such as runs/NAME{near}")
     if not root.is_dir():
         raise ConfigError(f"{run} has no {mf.CHECKPOINTS}/ directory; give a run directory such as runs/NAME "
                           "trained with --set checkpoint.interval=N")
