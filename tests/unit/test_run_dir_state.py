@@ -32,6 +32,21 @@ def test_one_holder_names_itself_and_a_dead_holder_is_taken_over(tmp_path, capsy
         assert f'"pid": {os.getpid()}' in (tmp_path / LOCK_FILE).read_text()
 
 
+def test_the_launchers_of_one_multi_node_job_share_the_lock(tmp_path):
+    node_a = RunLock.acquire(tmp_path, job="10.0.0.1:29400|job42")
+    node_b = RunLock.acquire(tmp_path, job="10.0.0.1:29400|job42")  # every node runs `meshrun train`
+    for other in (None, "10.0.0.1:29400|job43"):  # a single-node run, another multi-node job
+        with pytest.raises(RunDirBusy, match=f"pid {os.getpid()}"):
+            RunLock.acquire(tmp_path, job=other)
+    node_a.release()
+    assert "job42" in (tmp_path / LOCK_FILE).read_text()  # node b still runs
+    node_b.release()
+    assert (tmp_path / LOCK_FILE).read_text() == ""
+    with RunLock.acquire(tmp_path):
+        with pytest.raises(RunDirBusy):
+            RunLock.acquire(tmp_path, job="10.0.0.1:29400|job42")
+
+
 def test_unnamed_runs_get_their_own_directories(tmp_path):
     first, second = create_unique(tmp_path, "20260101-000000"), create_unique(tmp_path, "20260101-000000")
     assert (first.name, second.name) == ("20260101-000000", "20260101-000000-2")

@@ -106,7 +106,7 @@ def unfinished_run(cfg) -> Path | None:
     return None
 
 
-def claim_unfinished_run(cfg):
+def claim_unfinished_run(cfg, job: str | None = None):
     """(run directory, its held RunLock) of the unfinished run to continue, or None for a new run.
 
     A run another live `meshrun train` holds is never picked: it is being continued already.
@@ -117,7 +117,7 @@ def claim_unfinished_run(cfg):
     if run is None:
         return None
     try:
-        lock = RunLock.acquire(run)
+        lock = RunLock.acquire(run, job)
     except RunDirBusy as exc:
         print(f"meshrun train: not continuing {run}: {exc}; starting a new run", file=sys.stderr)
         return None

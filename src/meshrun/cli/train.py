@@ -3,8 +3,11 @@
     meshrun train                                   # the embedded default: tiny Llama, built-in corpus, CPU
     meshrun train examples/configs/tiny.toml --set optim.lr=3e-4 --nproc-per-node 2
 
-The config is resolved and checked here, once, and saved to runs/<name>/config.toml; then the
-workers are started through `meshrun launch` (torchrun's agent), so every launch option works.
+The config is resolved and checked here, once; runs/<name>/ is locked for the whole run
+(runtime/rundir.py), the start is checked against the run's history (checkpoint/history.py:
+what would discard or rewrite it needs --force), and a new run's config is saved to
+runs/<name>/config.toml; then the workers are started through `meshrun launch` (torchrun's agent),
+so every launch option works.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from pathlib import Path
 from meshrun.config import JobConfig, load_config, save_config
 from meshrun.errors import ConfigError
 from meshrun.launch.args import build_parser as build_launch_parser
+from meshrun.launch.args import parse_nnodes
 from meshrun.launch.launcher import run_plan
 from meshrun.launch.plan import plan_launch
 from meshrun.train.preflight import preflight
@@ -68,6 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
             "  meshrun train examples/configs/tiny.toml --nproc-per-node 2\n"
             "  meshrun train --set train.steps=1000 --set train.dtype=bf16 --set data.path=data/tok\n"
             "  meshrun config show examples/configs/small.toml   # every key, its default and doc\n"
+            "  meshrun train --set train.name=exp --set train.steps=2000 --force   # train a finished run further\n"
             "\nA run writes runs/<name>/: config.toml, metrics.jsonl, model.pt, report.html, logs/."
         ),
     )
@@ -76,7 +81,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="override one config key (repeatable), e.g. --set optim.lr=3e-4")
     parser.add_argument("--resume", metavar="auto|never|PATH",
                         help="checkpoint.resume: 'auto' (default) = the run directory's latest valid checkpoint, "
-                             "'never' = start fresh, or a checkpoint directory (docs/checkpoint.md)")
+                             "'never' = start fresh, or a checkpoint directory (docs/checkpoint.md); "
+                             "discarding a run's later checkpoints needs --force")
     parser.add_argument("--force", action="store_true",
                         help="let this start discard or replace part of an existing run's history: train a "
                              "finished run further (its model.pt is kept as model.step-N.pt), roll back "
@@ -108,9 +114,13 @@ def _launch_argv_from_config(cfg: JobConfig, cli_launch: list[str]) -> list[str]
     return argv
 
 
-def claim_run_dir(cfg: JobConfig):
+def claim_run_dir(cfg: JobConfig, job: str | None):
     """(run directory, its held RunLock): train.name's, the unfinished run an unnamed run continues,
-    or a new timestamped one (created exclusively: two unnamed runs in one second get two)."""
+    or a new timestamped one (created exclusively: two unnamed runs in one second get two).
+
+    `job`: None on one node (an exclusive lock); on several, the key the launchers of this job
+    share the lock under (every node runs `meshrun train` on the same directory).
+    """
     from meshrun.checkpoint.runs import claim_unfinished_run
     from meshrun.runtime.rundir import RunLock, create_unique
 
@@ -118,14 +128,14 @@ def claim_run_dir(cfg: JobConfig):
     if cfg.train.name:
         run_dir = root / cfg.train.name
         run_dir.mkdir(parents=True, exist_ok=True)
-        return run_dir, RunLock.acquire(run_dir)  # RunDirBusy (exit 2) names the live holder
-    claimed = claim_unfinished_run(cfg)  # an unnamed re-run continues its unfinished run, not a new one
+        return run_dir, RunLock.acquire(run_dir, job)  # RunDirBusy (exit 2) names the live holder
+    claimed = claim_unfinished_run(cfg, job)  # an unnamed re-run continues its unfinished run, not a new one
     if claimed is not None:
         print(f"meshrun train: continuing the unfinished run {claimed[0]} (same settings, has a checkpoint); "
               "--resume never starts a new run", file=sys.stderr)
         return claimed
     run_dir = create_unique(root, time.strftime("%Y%m%d-%H%M%S"))
-    return run_dir, RunLock.acquire(run_dir)
+    return run_dir, RunLock.acquire(run_dir, job)
 
 
 def main(argv: list[str]) -> int:
@@ -148,7 +158,9 @@ def main(argv: list[str]) -> int:
                  lambda: build_model(cfg.model, load_tokenizer(cfg.data.tokenizer).vocab_size, seed=0))
     from meshrun.checkpoint.history import plan_start, saved_form
 
-    run_dir, lock = claim_run_dir(cfg)  # held until the run ends: one owner per run directory
+    multi_node = parse_nnodes(plan.nnodes)[1] > 1
+    job = f"{plan.options.rdzv_endpoint}|{plan.options.rdzv_id}" if multi_node else None
+    run_dir, lock = claim_run_dir(cfg, job)  # held until the run ends: one owner per run directory
     with lock:
         start = plan_start(run_dir, cfg, force=args.force)  # refuses what would rewrite the run's history
         if start.finished:
