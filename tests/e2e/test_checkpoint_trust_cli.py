@@ -110,7 +110,8 @@ def test_a_checkpoint_of_another_shape_exits_2_naming_the_tensors(saved, tmp_pat
     result, _ = train_tiny(tmp_path, "small", *TWO_LAYERS_TIED, "--resume", str(ckpt), timeout=120, env=ENV)
     _one_line(result, "does not fit this model", "layers.2.", "not in this model")
     _copy_run(saved, tmp_path, "shrunk")
-    result, _ = train_tiny(tmp_path, "shrunk", *TWO_LAYERS_TIED, timeout=120, env=ENV)  # auto-resume
+    # auto-resume; --force: other settings than the run's config.toml are refused before launch otherwise
+    result, _ = train_tiny(tmp_path, "shrunk", *TWO_LAYERS_TIED, "--force", timeout=120, env=ENV)
     assert result.returncode == 2, result.output[-3000:]
     assert "does not fit this model" in result.output and "layers.2." in result.output
     assert "Traceback" not in result.output

@@ -1,16 +1,24 @@
-"""Which run directory an unnamed `meshrun train` continues.
+"""Run-directory state: which run an unnamed `meshrun train` continues, and whether a run has finished.
 
 A run without `train.name` gets a new timestamped directory, so "re-run the same command" after
 a preemption, a crash or a scheduler's requeue would start over and lose the work. Instead, with
 checkpoint.resume='auto', meshrun looks at the newest earlier run under train.run_dir trained with
 the same settings (every section but launch, whose world size may change: checkpoints reshard,
 and the run's name): when that run has a committed checkpoint and never finished (no final
-weights), it is continued. A finished one means a new run. `--resume never` always starts anew.
+weights), it is continued, unless another live run holds it (runtime/rundir.py): then this is a
+new run. A finished one means a new run. `--resume never` always starts anew.
+
+A finished run has RUN/finished.json ({"step": N}), written durably by rank 0 right after
+model.pt. A worker that finds it (an agent restart after the end) does not train again.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
+import sys
+import time
 from pathlib import Path
 
 from meshrun.checkpoint import manifest as mf
@@ -18,6 +26,7 @@ from meshrun.errors import MeshrunError
 
 CONFIG_FILE = "config.toml"
 FINAL_WEIGHTS = "model.pt"  # written by the trainer at the very end of a run
+FINISHED_FILE = "finished.json"  # written by the trainer after FINAL_WEIGHTS: the run is done
 
 
 def _comparable(cfg) -> dict:
@@ -25,6 +34,56 @@ def _comparable(cfg) -> dict:
     data.pop("launch", None)
     data["train"].pop("name", None)
     return data
+
+
+def write_finished(run_dir: Path, step: int) -> None:
+    """Rank 0, after model.pt: the durable record that the run ended at `step` (fsync'd, atomic)."""
+    path = Path(run_dir) / FINISHED_FILE
+    tmp = path.with_suffix(".json.tmp")
+    with open(tmp, "w", encoding="utf-8") as fp:
+        fp.write(json.dumps({"step": int(step), "time": round(time.time(), 3), "weights": FINAL_WEIGHTS}) + "\n")
+        fp.flush()
+        os.fsync(fp.fileno())
+    os.replace(tmp, path)
+    dir_fd = os.open(run_dir, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+def finished_step(run_dir: Path) -> int | None:
+    """The step a finished run ended at; None while it is unfinished.
+
+    Finished = model.pt is there and finished.json says at which step (deleting model.pt makes a
+    run unfinished again). A model.pt without the marker (a run of an older meshrun, or one killed
+    between the two writes) counts as finished at an unknown step: -1.
+    """
+    run_dir = Path(run_dir)
+    if not (run_dir / FINAL_WEIGHTS).is_file():
+        return None
+    try:
+        step = json.loads((run_dir / FINISHED_FILE).read_text()[:4096]).get("step")
+    except (OSError, ValueError, AttributeError):
+        return -1
+    return step if isinstance(step, int) and not isinstance(step, bool) and step >= 0 else -1
+
+
+def set_aside_final(run_dir: Path, step: int) -> Path | None:
+    """Before a forced start that will write model.pt again: keep the old one as model.step-N.pt."""
+    weights = Path(run_dir) / FINAL_WEIGHTS
+    if not weights.is_file():
+        return None
+    stem = f"model.step-{step:08d}" if step >= 0 else f"model.before-{time.strftime('%Y%m%d-%H%M%S')}"
+    target, n = weights.with_name(f"{stem}.pt"), 1
+    while target.exists():
+        n += 1
+        target = weights.with_name(f"{stem}-{n}.pt")
+    weights.rename(target)
+    (Path(run_dir) / FINISHED_FILE).unlink(missing_ok=True)
+    print(f"meshrun train: kept the final weights of step {step if step >= 0 else '?'} as {target}",
+          file=sys.stderr)
+    return target
 
 
 def unfinished_run(cfg) -> Path | None:
@@ -42,6 +101,27 @@ def unfinished_run(cfg) -> Path | None:
         except (MeshrunError, OSError, ValueError):
             continue
         if same:  # the newest run of these settings decides
-            finished = (run / FINAL_WEIGHTS).exists()
+            finished = finished_step(run) is not None
             return None if finished or not mf.committed(mf.checkpoints_dir(run)) else run
     return None
+
+
+def claim_unfinished_run(cfg, job: str | None = None):
+    """(run directory, its held RunLock) of the unfinished run to continue, or None for a new run.
+
+    A run another live `meshrun train` holds is never picked: it is being continued already.
+    """
+    from meshrun.runtime.rundir import RunDirBusy, RunLock
+
+    run = unfinished_run(cfg)
+    if run is None:
+        return None
+    try:
+        lock = RunLock.acquire(run, job)
+    except RunDirBusy as exc:
+        print(f"meshrun train: not continuing {run}: {exc}; starting a new run", file=sys.stderr)
+        return None
+    if unfinished_run(cfg) != run:  # it finished (or changed) while we waited for the lock
+        lock.release()
+        return None
+    return run, lock

@@ -13,7 +13,8 @@ from meshrun.checkpoint import manifest as mf
 from meshrun.checkpoint.manifest import CheckpointError
 from meshrun.checkpoint.safe_load import read_metadata
 
-_FIX = "resume with the model config it was saved with, or start fresh with --resume never"
+_FIX = ("resume with the model config it was saved with, or start fresh with --resume never "
+        "(and --force, to set aside the checkpoints of a run that has some)")
 
 
 def saved_tensors(path: Path) -> dict[str, TensorStorageMetadata]:

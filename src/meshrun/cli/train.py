@@ -3,8 +3,11 @@
     meshrun train                                   # the embedded default: tiny Llama, built-in corpus, CPU
     meshrun train examples/configs/tiny.toml --set optim.lr=3e-4 --nproc-per-node 2
 
-The config is resolved and checked here, once, and saved to runs/<name>/config.toml; then the
-workers are started through `meshrun launch` (torchrun's agent), so every launch option works.
+The config is resolved and checked here, once; runs/<name>/ is locked for the whole run
+(runtime/rundir.py), the start is checked against the run's history (checkpoint/history.py:
+what would discard or rewrite it needs --force), and a new run's config is saved to
+runs/<name>/config.toml; then the workers are started through `meshrun launch` (torchrun's agent),
+so every launch option works.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from pathlib import Path
 from meshrun.config import JobConfig, load_config, save_config
 from meshrun.errors import ConfigError
 from meshrun.launch.args import build_parser as build_launch_parser
+from meshrun.launch.args import parse_nnodes
 from meshrun.launch.launcher import run_plan
 from meshrun.launch.plan import plan_launch
 from meshrun.train.preflight import preflight
@@ -68,6 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
             "  meshrun train examples/configs/tiny.toml --nproc-per-node 2\n"
             "  meshrun train --set train.steps=1000 --set train.dtype=bf16 --set data.path=data/tok\n"
             "  meshrun config show examples/configs/small.toml   # every key, its default and doc\n"
+            "  meshrun train --set train.name=exp --set train.steps=2000 --force   # train a finished run further\n"
             "\nA run writes runs/<name>/: config.toml, metrics.jsonl, model.pt, report.html, logs/."
         ),
     )
@@ -76,7 +81,14 @@ def build_parser() -> argparse.ArgumentParser:
                         help="override one config key (repeatable), e.g. --set optim.lr=3e-4")
     parser.add_argument("--resume", metavar="auto|never|PATH",
                         help="checkpoint.resume: 'auto' (default) = the run directory's latest valid checkpoint, "
-                             "'never' = start fresh, or a checkpoint directory (docs/checkpoint.md)")
+                             "'never' = start fresh, or a checkpoint directory (docs/checkpoint.md); "
+                             "discarding a run's later checkpoints needs --force")
+    parser.add_argument("--force", action="store_true",
+                        help="let this start discard or replace part of an existing run's history: train a "
+                             "finished run further (its model.pt is kept as model.step-N.pt), roll back "
+                             "(--resume PATH/never: later checkpoints are renamed *.abandoned-<session>), "
+                             "resume a run beyond a lower train.steps, or continue it with other settings "
+                             "(the old config.toml is kept). Without it such a start is refused (exit 2)")
     return parser
 
 
@@ -102,11 +114,28 @@ def _launch_argv_from_config(cfg: JobConfig, cli_launch: list[str]) -> list[str]
     return argv
 
 
-def make_run_dir(cfg: JobConfig) -> Path:
-    name = cfg.train.name or time.strftime("%Y%m%d-%H%M%S")
-    run_dir = Path(cfg.train.run_dir) / name
-    run_dir.mkdir(parents=True, exist_ok=True)
-    return run_dir
+def claim_run_dir(cfg: JobConfig, job: str | None):
+    """(run directory, its held RunLock): train.name's, the unfinished run an unnamed run continues,
+    or a new timestamped one (created exclusively: two unnamed runs in one second get two).
+
+    `job`: None on one node (an exclusive lock); on several, the key the launchers of this job
+    share the lock under (every node runs `meshrun train` on the same directory).
+    """
+    from meshrun.checkpoint.runs import claim_unfinished_run
+    from meshrun.runtime.rundir import RunLock, create_unique
+
+    root = Path(cfg.train.run_dir)
+    if cfg.train.name:
+        run_dir = root / cfg.train.name
+        run_dir.mkdir(parents=True, exist_ok=True)
+        return run_dir, RunLock.acquire(run_dir, job)  # RunDirBusy (exit 2) names the live holder
+    claimed = claim_unfinished_run(cfg, job)  # an unnamed re-run continues its unfinished run, not a new one
+    if claimed is not None:
+        print(f"meshrun train: continuing the unfinished run {claimed[0]} (same settings, has a checkpoint); "
+              "--resume never starts a new run", file=sys.stderr)
+        return claimed
+    run_dir = create_unique(root, time.strftime("%Y%m%d-%H%M%S"))
+    return run_dir, RunLock.acquire(run_dir, job)
 
 
 def main(argv: list[str]) -> int:
@@ -127,22 +156,26 @@ def main(argv: list[str]) -> int:
     # --resume PATH: a valid checkpoint of this model's shape, or one line and exit 2
     check_resume(cfg.checkpoint.resume,
                  lambda: build_model(cfg.model, load_tokenizer(cfg.data.tokenizer).vocab_size, seed=0))
-    from meshrun.checkpoint.runs import unfinished_run
+    from meshrun.checkpoint.history import plan_start, saved_form
 
-    run_dir = unfinished_run(cfg)  # an unnamed re-run continues its unfinished run, not a new one
-    if run_dir is not None:
-        print(f"meshrun train: continuing the unfinished run {run_dir} (same settings, has a checkpoint); "
-              "--resume never starts a new run", file=sys.stderr)
-    else:
-        run_dir = make_run_dir(cfg)
-    save_config(cfg, run_dir / "config.toml")
-    plan = plan.with_run(log_dir=plan.log_dir or str(run_dir / "logs"), script_args=["--run-dir", str(run_dir)])
-    print(f"meshrun train: run directory {run_dir}", file=sys.stderr)
-    from meshrun.checkpoint.preemption import preempted_exit_code
-    from meshrun.launch.torch_elastic import SignalException
+    multi_node = parse_nnodes(plan.nnodes)[1] > 1
+    job = f"{plan.options.rdzv_endpoint}|{plan.options.rdzv_id}" if multi_node else None
+    run_dir, lock = claim_run_dir(cfg, job)  # held until the run ends: one owner per run directory
+    with lock:
+        start = plan_start(run_dir, cfg, force=args.force)  # refuses what would rewrite the run's history
+        if start.finished:
+            print(f"meshrun train: {start.finished}", file=sys.stderr)
+            return 0
+        if start.write_config:  # a new run, or new settings with --force; a refused start never gets here
+            save_config(saved_form(cfg), run_dir / "config.toml")
+        plan = plan.with_run(log_dir=plan.log_dir or str(run_dir / "logs"),
+                             script_args=["--run-dir", str(run_dir), "--resume", start.resume])
+        print(f"meshrun train: run directory {run_dir}", file=sys.stderr)
+        from meshrun.checkpoint.preemption import preempted_exit_code
+        from meshrun.launch.torch_elastic import SignalException
 
-    started = time.time()
-    try:
-        return run_plan(plan)
-    except SignalException as exc:  # SIGTERM/SIGINT to the agent; it has stopped the workers
-        return preempted_exit_code(run_dir, exc.sigval, since=started)
+        started = time.time()
+        try:
+            return run_plan(plan)
+        except SignalException as exc:  # SIGTERM/SIGINT to the agent; it has stopped the workers
+            return preempted_exit_code(run_dir, exc.sigval, since=started)

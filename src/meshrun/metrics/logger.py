@@ -6,8 +6,9 @@ Layout of a run directory:
                                      "peak_mem_bytes"?}
     runs/<name>/tb/                  TensorBoard event files, when `tensorboard` is installed
 
-Files are appended to (a resumed run continues them; `meshrun report` keeps the last line of each
-step) and flushed after every line, so a crash loses nothing that was logged.
+Files are only ever appended to (opened O_APPEND: no row is rewritten; a resumed or rolled-back run
+continues them, and `meshrun report` keeps the last line of each step) and flushed after every
+line, so a crash loses nothing that was logged.
 """
 
 from __future__ import annotations

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from meshrun.checkpoint import Checkpointer
+from meshrun.checkpoint.runs import write_finished
 from meshrun.checkpoint.state import TrainState
 from meshrun.config import JobConfig
 from meshrun.data.loader import build_loaders
@@ -123,6 +124,8 @@ def _loop(run: _Run, cfg: JobConfig, env: DistEnv, run_dir: Path) -> TrainResult
     run.memory.mark_trained()
 
     weights = _save_final_weights(layout, run_dir, env)
+    if env.is_main:  # after model.pt: the run is finished, and a restarted worker will not redo it
+        write_finished(run_dir, tcfg.steps)
     run.memory.mark_end()
     metrics.log_meta(event="end", tokens_per_s=timer.mean_tokens_per_s,
                      peak_mem_bytes=peak_memory_bytes(env.device), **run.memory.gathered())

@@ -22,13 +22,21 @@ CONFIG_FILE = "config.toml"
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="meshrun.train.worker", description=__doc__.splitlines()[0])
     parser.add_argument("--run-dir", required=True, help="run directory holding config.toml")
+    parser.add_argument("--resume", help="this start's checkpoint.resume (meshrun train decides it); "
+                                         "default: config.toml's")
     args = parser.parse_args(argv)
     run_dir = Path(args.run_dir)
     try:
-        cfg = load_config(run_dir / CONFIG_FILE)
+        cfg = load_config(run_dir / CONFIG_FILE, [f"checkpoint.resume={args.resume}"] if args.resume else [])
     except MeshrunError as exc:
         print(f"meshrun train: error: {exc}", file=sys.stderr)
         return 2
+    from meshrun.checkpoint.runs import finished_step
+
+    done = finished_step(run_dir)
+    if done is not None:  # e.g. the agent restarted the workers after the end: never train it again
+        print(f"meshrun train: {run_dir} has finished (step {done}); not training it again", file=sys.stderr)
+        return 0
     if cfg.parallel.strategy == "fsdp":
         from meshrun.runtime.alloc import configure_allocator
 
