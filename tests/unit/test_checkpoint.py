@@ -235,3 +235,23 @@ def test_an_unnamed_rerun_continues_only_its_unfinished_run(tmp_path):
                                              "checkpoint.resume=never"])) is None
     make_run("crashed-early", cfg, checkpoint=False, finished=False, age=3_000)
     assert unfinished_run(cfg) is None  # the newest has no checkpoint to continue from
+
+
+@pytest.mark.parametrize("fmt", ["safetensors", "pt"])
+def test_init_from_that_does_not_fit_is_refused_before_any_worker_or_directory(tmp_path, capsys, fmt):
+    from meshrun.cli import main
+
+    weights = {"tok_embeddings.weight": torch.zeros(7, 3), "norm.weight": torch.ones(3)}
+    path = tmp_path / f"w.{fmt}"
+    if fmt == "safetensors":
+        from safetensors.torch import save_file
+
+        save_file(weights, str(path))
+    else:
+        torch.save(weights, path)
+    runs = tmp_path / "runs"
+    code = main(["train", "--set", f"model.init_from={path}", "--set", f"train.run_dir={runs}"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1, err
+    assert f"model.init_from='{path}' does not fit this model: missing from the checkpoint: layers.0." in err
+    assert not runs.exists()

@@ -108,15 +108,40 @@ def read_consolidated(path: str | Path) -> dict[str, torch.Tensor]:
     return state
 
 
-def load_consolidated(model: nn.Module, path: str | Path) -> None:
-    """Copy a consolidated file's weights into `model`; a name or shape mismatch is one clear line."""
-    state = read_consolidated(path)
-    own = model.state_dict()
-    diff = differences({k: tuple(v.shape) for k, v in state.items()}, {k: tuple(v.shape) for k, v in own.items()})
+def consolidated_shapes(path: str | Path) -> dict[str, tuple[int, ...]]:
+    """Tensor names and shapes of a consolidated file, without reading its weights into memory."""
+    path = Path(path)
+    if path.suffix == ".safetensors" and path.is_file():
+        safe_open = _safetensors("safe_open")
+        try:
+            with safe_open(str(path), framework="pt") as fh:
+                return {k: tuple(fh.get_slice(k).get_shape()) for k in fh.keys()}  # noqa: SIM118
+        except Exception as exc:  # noqa: BLE001 - a damaged header is the same user problem
+            raise ModelError(f"model.init_from={str(path)!r} is not a readable safetensors file "
+                             f"({type(exc).__name__}); export one with `meshrun ckpt export`") from None
+    if path.is_file() and path.suffix != ".safetensors":
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except Exception:  # noqa: BLE001 - not a zip-format file: read_consolidated says what it is
+            state = None
+        if isinstance(state, dict):
+            return {k: tuple(v.shape) for k, v in state.items() if isinstance(v, torch.Tensor)}
+    return {k: tuple(v.shape) for k, v in read_consolidated(path).items()}
+
+
+def check_consolidated_fits(path: str | Path, shapes: dict[str, tuple[int, ...]], model: nn.Module) -> None:
+    """One clear line when a consolidated file's tensors differ from `model`'s in name or shape."""
+    diff = differences(shapes, {k: tuple(v.shape) for k, v in model.state_dict().items()})
     if diff:
         raise ModelError(f"model.init_from={str(path)!r} does not fit this model: {diff}; "
                          "use the model config it was saved with")
-    model.load_state_dict({k: state[k] for k in own})
+
+
+def load_consolidated(model: nn.Module, path: str | Path) -> None:
+    """Copy a consolidated file's weights into `model`; a name or shape mismatch is one clear line."""
+    state = read_consolidated(path)
+    check_consolidated_fits(path, {k: tuple(v.shape) for k, v in state.items()}, model)
+    model.load_state_dict({k: state[k] for k in model.state_dict()})
 
 
 def _safetensors(name: str):

@@ -149,13 +149,19 @@ def main(argv: list[str]) -> int:
     launch_args = build_launch_parser().parse_args(launch_argv + ["-m", "meshrun.train.worker"])
     plan = plan_launch(launch_args)  # before the layout check: SLURM may say there are several nodes
     preflight(cfg, nproc_per_node=plan.nproc_per_node, nnodes=plan.nnodes)
-    from meshrun.checkpoint.verify import check_resume  # torch: imported only once the input parsed
+    from meshrun.checkpoint.verify import (  # torch: only once the input parsed
+        check_init_from,
+        check_resume,
+    )
     from meshrun.data.tokenizer import load_tokenizer
     from meshrun.models.factory import build_model
 
-    # --resume PATH: a valid checkpoint of this model's shape, or one line and exit 2
-    check_resume(cfg.checkpoint.resume,
-                 lambda: build_model(cfg.model, load_tokenizer(cfg.data.tokenizer).vocab_size, seed=0))
+    # --resume PATH and model.init_from: of this model's names and shapes, or one line and exit 2
+    def model_to_check():  # built on the meta device by the checks: shapes only, init_from not loaded
+        return build_model(cfg.model, load_tokenizer(cfg.data.tokenizer).vocab_size, seed=0)
+
+    check_resume(cfg.checkpoint.resume, model_to_check)
+    check_init_from(cfg.model.init_from, model_to_check)
     from meshrun.checkpoint.history import plan_start, saved_form
 
     multi_node = parse_nnodes(plan.nnodes)[1] > 1
