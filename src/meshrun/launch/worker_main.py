@@ -61,6 +61,8 @@ def _write_error_file(exc: BaseException, tb, formatted: str, hint: str | None =
         return
     import json
 
+    from meshrun.debug.readable import strip_cpp
+
     frames = _frames(tb)
     user = [f for f in frames if _is_user_file(f[0])]
     site = (user or frames or [("<unknown>", 0, "<module>")])[-1]
@@ -74,7 +76,7 @@ def _write_error_file(exc: BaseException, tb, formatted: str, hint: str | None =
         "meshrun": {
             "time": now,
             "type": type(exc).__name__,
-            "text": str(exc),
+            "text": strip_cpp(str(exc)),  # the full message, C++ stack included, is in py_callstack
             "file": site[0],
             "line": site[1],
             "function": site[2],
@@ -96,6 +98,16 @@ def _mark_runtime_failed() -> None:
     session = sys.modules.get("meshrun.runtime.session")
     if session is not None:
         session.mark_failed()
+
+
+def _wait_for_hang_report() -> bool:
+    """While the hang watchdog reports (it then exits the process), let the main thread add nothing."""
+    process = sys.modules.get("meshrun.runtime.process")
+    runtime = process.peek() if process is not None else None
+    if runtime is None or not runtime.progress.hang_reported.is_set():
+        return False
+    time.sleep(30)  # the watchdog ends the process within its grace period; this is only a bound
+    return True
 
 
 def _die_with_agent() -> None:
@@ -134,6 +146,12 @@ class _DebugWhenTorchImports:
 
 def _install_debug() -> None:
     """Hang watchdog and --debug collectives (meshrun.debug), only when the launcher asked."""
+    if os.environ.get("MESHRUN_HANG_TIMEOUT", "0") not in ("0", ""):
+        import signal
+
+        # A peer's watchdog can ask for this rank's stacks even before it imports torch
+        # (meshrun.debug.stacks.STACK_SIGNAL, not imported here: the first line waits for no meshrun module).
+        faulthandler.register(signal.SIGUSR2, file=sys.stderr, all_threads=True, chain=False)
     if os.environ.get("MESHRUN_DEBUG") or os.environ.get("MESHRUN_HANG_TIMEOUT", "0") not in ("0", ""):
         if "torch" in sys.modules:
             from meshrun.debug.hooks import install_import_hook
@@ -204,9 +222,16 @@ def run(argv: list[str]) -> int:
     except BaseException as exc:  # noqa: BLE001 - every failure must be recorded
         import traceback
 
+        from meshrun.debug.readable import format_exception, verbose
+
         _mark_runtime_failed()
+        if _wait_for_hang_report():
+            return 124  # meshrun.debug.watchdog.HANG_EXIT_CODE, should the watchdog not have exited
+        if isinstance(exc, KeyboardInterrupt):  # Ctrl-C reached the whole group: the launcher says so once
+            return 130
         tb = _user_traceback(exc)
-        formatted = "".join(traceback.format_exception(type(exc), exc, tb))
+        full = "".join(traceback.format_exception(type(exc), exc, tb))
+        formatted = full if verbose() else format_exception(exc, tb)
         if getattr(exc, "meshrun_diagnosis", False):  # meshrun's own report: the user's frames only
             frames = [f for f in traceback.extract_tb(tb) if _is_user_file(f.filename)]
             formatted = "".join(["Traceback (most recent call last):\n", *traceback.format_list(frames),
@@ -215,7 +240,7 @@ def run(argv: list[str]) -> int:
         hint = _explain(exc)
         if hint:
             sys.stderr.write(f"meshrun: {hint}\n")
-        _write_error_file(exc, tb, formatted, hint)
+        _write_error_file(exc, tb, full, hint)
         return 1
     return 0
 
