@@ -45,6 +45,7 @@ OPS: dict[str, tuple[int, str] | None] = {
 }
 
 JOIN_OP = "init_process_group"  # not a collective, but every rank waits there for the others
+LEAVE_OP = "destroy_process_group"  # this rank's last word: the watchdog and checker stop first
 
 # op -> position of its `group` argument
 GROUP_POS = {
@@ -86,6 +87,7 @@ class CollectivePatch:
         self._seqs: dict[str, int] = {}
         self._tls = threading.local()
         self._first_hooks: list[Callable[[], None]] = []
+        self._leave_hooks: list[Callable[[], None]] = []
         self._replaced: list[tuple[object, str, object, object]] = []  # (module, op, original, wrapper)
 
     @property
@@ -123,11 +125,14 @@ class CollectivePatch:
         meshrun_dir = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
         self._fallback_skip = (torch_dir,)
         self.skip_dirs = (torch_dir, meshrun_dir)
-        for op in (*OPS, JOIN_OP):
+        for op in (*OPS, JOIN_OP, LEAVE_OP):
             original = getattr(c10d, op, None)
             if original is None or hasattr(original, "__meshrun_wrapped__"):
                 continue
-            wrapper = self._wrap_join(original) if op == JOIN_OP else self._wrap(op, original)
+            if op in (JOIN_OP, LEAVE_OP):
+                wrapper = self._wrap_join(original) if op == JOIN_OP else self._wrap_leave(original)
+            else:
+                wrapper = self._wrap(op, original)
             for module in (c10d, dist):
                 if getattr(module, op, None) is original:
                     setattr(module, op, wrapper)
@@ -140,6 +145,7 @@ class CollectivePatch:
             if getattr(module, op, None) is wrapper:
                 setattr(module, op, original)
         self._first_hooks.clear()
+        self._leave_hooks.clear()
         self.checker = None
 
     def _run_first_hooks(self) -> None:
@@ -162,6 +168,23 @@ class CollectivePatch:
                 return fn(*args, **kwargs)
             finally:
                 progress.end(record, count=False)
+
+        wrapper.__meshrun_wrapped__ = fn
+        return wrapper
+
+    def on_leave(self, callback: Callable[[], None]) -> None:
+        """Run `callback()` when the script destroys the default group (before torch does)."""
+        self._leave_hooks.append(callback)
+
+    def _wrap_leave(self, fn):
+        hooks = self._leave_hooks
+
+        @functools.wraps(fn)
+        def wrapper(group=None, *args, **kwargs):
+            if group is None or _group_name(group) == "world":
+                for hook in hooks:
+                    hook()
+            return fn(group, *args, **kwargs)
 
         wrapper.__meshrun_wrapped__ = fn
         return wrapper

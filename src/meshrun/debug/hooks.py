@@ -94,6 +94,7 @@ class DebugHooks:
 
         self.collectives = CollectivePatch(self.progress)
         self.collectives.install(self._make_checker if self.settings.collectives else None)
+        self.collectives.on_leave(self.before_shutdown)  # the script's own destroy_process_group()
         self.start_watchdog()  # now, not at the first collective: a rank that never gets there is a hang too
         progress = self.progress
         self._handles = [
@@ -171,10 +172,11 @@ class DebugHooks:
     def before_shutdown(self) -> None:
         """This rank has made its last collective: tell fingerprint peers, stop watching for hangs."""
         checker = self.collectives.checker if self.collectives is not None else None
-        if checker is not None:
+        if checker is not None and not self.progress.job_ending.is_set():  # else nobody waits for it
             checker.mark_done()
+            self.collectives.checker = None  # once: destroy_process_group(), then exit, both come here
         if self.watchdog is not None:
-            self.watchdog.stopped.set()
+            self.watchdog.leave()
             self.watchdog = None
 
     def shutdown(self) -> None:

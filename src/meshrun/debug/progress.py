@@ -41,6 +41,7 @@ class Progress:
         # set while the hang watchdog reports: the process is about to exit, and an error the main
         # thread meets meanwhile (a peer that has already exited) is a consequence, not news
         self.hang_reported = threading.Event()
+        self.job_ending = threading.Event()  # a peer has finished: its store may be gone
 
     def beat(self) -> None:
         self.count += 1

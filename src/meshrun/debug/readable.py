@@ -19,7 +19,7 @@ MESHRUN_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.s
 
 # Where torch's C++ stack starts inside a message, and the lines that belong to one.
 _CPP_START = re.compile(r"^(Exception raised from .* \(most recent call first\):|C\+\+ CapturedTraceback:)\s*$")
-_CPP_LINE = re.compile(r"^(frame #\d+:|#\d+ |<omitting python frames>|\s*$)")
+_CPP_LINE = re.compile(r"^(frame #\d+:|#\d+ |<omitting python frames>|C\+\+ CapturedTraceback:|\s*$)")
 _FAULTHANDLER_FRAME = re.compile(r'^\s*File "([^"]+)", line \d+ in ')
 
 
@@ -39,9 +39,8 @@ def strip_cpp(text: str) -> str:
     """`text` without the C++ stack torch appended to it (the message before it is kept)."""
     lines = str(text).splitlines()
     for i, line in enumerate(lines):
-        if _CPP_START.match(line.strip()):
-            kept = lines[:i] + [rest for rest in lines[i + 1:] if not _CPP_LINE.match(rest)]
-            return "\n".join(kept).rstrip()
+        if _CPP_START.match(line.strip()):  # c10::Error's what(): the message, then only its stack
+            return "\n".join(lines[:i]).rstrip()
     return str(text)
 
 
