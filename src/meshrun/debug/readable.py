@@ -48,10 +48,25 @@ def is_meshrun_file(path: str) -> bool:
     return os.path.abspath(path).startswith(MESHRUN_DIR)
 
 
+def is_user_file(path: str) -> bool:
+    """The user's own code: not meshrun, not the standard library or an installed package."""
+    import sys
+
+    path = os.path.abspath(path)
+    libraries = tuple(os.path.abspath(p) + os.sep for p in {sys.prefix, sys.base_prefix, sys.exec_prefix})
+    return not (path.startswith(libraries) or "site-packages" in path or is_meshrun_file(path)
+                or path.startswith("<"))
+
+
 def user_frames(frames: list) -> list:
-    """traceback.FrameSummary items without meshrun's own (wrapper) frames; all of them if none is left."""
-    kept = [f for f in frames if not is_meshrun_file(f.filename)]
-    return kept or frames
+    """traceback.FrameSummary items without meshrun's wrapper frames around the user's code.
+
+    Only where the user's own code is in the traceback: under `meshrun train` meshrun's frames are
+    the program, not a wrapper, and stay.
+    """
+    if not any(is_user_file(f.filename) for f in frames):
+        return frames
+    return [f for f in frames if not is_meshrun_file(f.filename)]
 
 
 def format_exception(exc: BaseException, tb, *, full: bool = False) -> str:

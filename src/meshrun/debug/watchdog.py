@@ -34,6 +34,7 @@ PROGRESS_KEY = "hang/progress"
 WHERE_KEY = "hang/where/"  # + rank: {"state": "collective" | "torch" | "user", "where": "..."}
 REPORTED_KEY = "hang/reported"  # the alarm rank has printed the job-wide report
 LEFT_KEY = "hang/left"  # ranks that have finished (destroy_process_group, shutdown or exit)
+STARTED_KEY = "hang/started"  # watchdogs that have connected to the store
 STOPPED_KEY = "hang/stopped"  # watchdogs that have stopped using the store
 DUMP_GRACE_S = 5.0  # how long the first rank waits for the others to print their stacks
 
@@ -50,14 +51,15 @@ class Watchdog(threading.Thread):
         self.skip_dirs = skip_dirs
         self.poll_s = min(1.0, timeout_s / 10)
         self.stopped = threading.Event()
-        self.leaving = threading.Event()
+        self.store = None  # the thread's connection, once made
 
     def leave(self) -> None:
         """This rank is done: stop, and have every peer's watchdog stop too (see `_leave`); bounded."""
-        self.leaving.set()
         self.stopped.set()
         if self.is_alive() and self is not threading.current_thread():
             self.join(timeout=2 * self.poll_s + 2)
+        if self.store is not None and not self.is_alive():
+            self._leave(self.store)
 
     def run(self) -> None:
         from meshrun.debug.store import listening
@@ -68,6 +70,11 @@ class Watchdog(threading.Thread):
         store = self.store_factory()
         if store is None:
             return
+        try:
+            store.add(STARTED_KEY, 1)
+        except Exception:  # noqa: BLE001
+            return
+        self.store = store
         published = 0
         seen_total, changed_at = -1, time.monotonic()
         while not self.stopped.wait(self.poll_s):
@@ -82,9 +89,11 @@ class Watchdog(threading.Thread):
                     return self._fire(store, json.loads(store.get(ALARM_KEY)))
                 if store.add(LEFT_KEY, 0) > 0:  # a peer finished: the job is ending, its store may go
                     self.progress.job_ending.set()
+                    self.store = None
                     store.add(STOPPED_KEY, 1)
                     return
             except Exception:  # noqa: BLE001 - the store went away: the job is ending anyway
+                self.store = None
                 return
             now = time.monotonic()
             if total != seen_total:
@@ -96,8 +105,6 @@ class Watchdog(threading.Thread):
                 except Exception:  # noqa: BLE001
                     pass
                 return self._fire(store, alarm)
-        if self.leaving.is_set():
-            self._leave(store)
 
     def _leave(self, store) -> None:
         """Tell the peers' watchdogs; where this process serves the store, wait until they stopped.
@@ -105,13 +112,14 @@ class Watchdog(threading.Thread):
         Rank 0 serves the job's store (unless the agent does): a peer still polling it after rank 0
         exits would meet a closed connection, and torch logs that with a C++ stack.
         """
+        self.store = None
         try:
             store.add(LEFT_KEY, 1)
             store.add(STOPPED_KEY, 1)
             if self.rank != 0 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
                 return
-            deadline = time.monotonic() + 2 * self.poll_s + 1
-            while store.add(STOPPED_KEY, 0) < self.world_size and time.monotonic() < deadline:
+            deadline = time.monotonic() + 2 * self.poll_s + 3
+            while store.add(STOPPED_KEY, 0) < store.add(STARTED_KEY, 0) and time.monotonic() < deadline:
                 time.sleep(0.05)
         except Exception:  # noqa: BLE001 - the store went away: the job is ending anyway
             pass

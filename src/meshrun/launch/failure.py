@@ -46,6 +46,8 @@ STOP_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP")
 _NOT_RAISED = ("KeyboardInterrupt", "SystemExit")
 _TB_LINE = re.compile(r'File "([^"]+)", line (\d+), in (\S+)')
 _EXC_LINE = re.compile(r"^([A-Za-z_][\w.]*(?:Error|Exception|Interrupt|Exit|Detected)): (.*)$")
+# meshrun's own refusal on a worker (cli/__init__.py prints a MeshrunError so, and exits 2)
+_MESHRUN_LINE = re.compile(r"^meshrun(?: [\w-]+)?: error: (.+)$")
 ERROR_FILE = "error.json"
 TAIL_LINES = 12
 STDOUT_TAIL_LINES = 5
@@ -198,6 +200,10 @@ class RankFailure:
             match = _EXC_LINE.match(line.strip())
             if match:
                 self.exc_type, self.exc_text = match.group(1), match.group(2)
+                return
+            match = _MESHRUN_LINE.match(line.strip())
+            if match:
+                self.exc_type, self.exc_text = "MeshrunError", match.group(1)
                 return
 
 

@@ -16,10 +16,6 @@ import time
 
 _RUNPY = os.path.join(os.path.dirname(os.path.abspath(os.__file__)), "runpy.py")  # not imported for a .py
 _SKIP_FILES = {os.path.abspath(__file__), _RUNPY, "<frozen runpy>"}
-_LIBRARY_DIRS = tuple(
-    {os.path.abspath(p) for p in (sys.prefix, sys.base_prefix, sys.exec_prefix)}
-    | {os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep}  # meshrun itself
-)
 
 
 def _skipped(filename: str) -> bool:
@@ -40,11 +36,6 @@ def _frames(tb) -> list[tuple[str, int, str]]:
     return [(fs.filename, fs.lineno or 0, fs.name) for fs in traceback.extract_tb(tb)]
 
 
-def _is_user_file(path: str) -> bool:
-    path = os.path.abspath(path)
-    return not path.startswith(_LIBRARY_DIRS) and "site-packages" not in path and not path.startswith("<")
-
-
 def _explain(exc: BaseException) -> str | None:
     """meshrun's explanation of a torch error the guide warns about (meshrun.debug.explain)."""
     try:
@@ -61,10 +52,10 @@ def _write_error_file(exc: BaseException, tb, formatted: str, hint: str | None =
         return
     import json
 
-    from meshrun.debug.readable import strip_cpp
+    from meshrun.debug.readable import is_user_file, strip_cpp
 
     frames = _frames(tb)
-    user = [f for f in frames if _is_user_file(f[0])]
+    user = [f for f in frames if is_user_file(f[0])]
     site = (user or frames or [("<unknown>", 0, "<module>")])[-1]
     raised = (frames or [site])[-1]
     now = time.time()
@@ -222,7 +213,7 @@ def run(argv: list[str]) -> int:
     except BaseException as exc:  # noqa: BLE001 - every failure must be recorded
         import traceback
 
-        from meshrun.debug.readable import format_exception, verbose
+        from meshrun.debug.readable import format_exception, is_user_file, verbose
 
         _mark_runtime_failed()
         if _wait_for_hang_report():
@@ -233,7 +224,7 @@ def run(argv: list[str]) -> int:
         full = "".join(traceback.format_exception(type(exc), exc, tb))
         formatted = full if verbose() else format_exception(exc, tb)
         if getattr(exc, "meshrun_diagnosis", False):  # meshrun's own report: the user's frames only
-            frames = [f for f in traceback.extract_tb(tb) if _is_user_file(f.filename)]
+            frames = [f for f in traceback.extract_tb(tb) if is_user_file(f.filename)]
             formatted = "".join(["Traceback (most recent call last):\n", *traceback.format_list(frames),
                                  f"{type(exc).__name__}: {exc}\n"])
         sys.stderr.write(formatted)
