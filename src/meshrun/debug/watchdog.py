@@ -52,9 +52,11 @@ class Watchdog(threading.Thread):
         self.poll_s = min(1.0, timeout_s / 10)
         self.stopped = threading.Event()
         self.store = None  # the thread's connection, once made
+        self.leaving = False  # stopped by leave(), which then tells the peers; else stopped alone
 
     def leave(self) -> None:
         """This rank is done: stop, and have every peer's watchdog stop too (see `_leave`); bounded."""
+        self.leaving = True
         self.stopped.set()
         if self.is_alive() and self is not threading.current_thread():
             self.join(timeout=2 * self.poll_s + 2)
@@ -105,6 +107,12 @@ class Watchdog(threading.Thread):
                 except Exception:  # noqa: BLE001
                     pass
                 return self._fire(store, alarm)
+        if not self.leaving:  # stopped alone (a shorter timeout turned it off): rank 0 need not wait for it
+            try:
+                store.add(STOPPED_KEY, 1)
+            except Exception:  # noqa: BLE001
+                pass
+            self.store = None
 
     def _leave(self, store) -> None:
         """Tell the peers' watchdogs; where this process serves the store, wait until they stopped.
