@@ -59,8 +59,8 @@ def main(argv: list[str] | None = None) -> int:
         hint = f"; did you mean `meshrun {close[0]}`?" if close else ""
         print(f"meshrun: unknown command {name!r}{hint} (see `meshrun --help`)", file=sys.stderr)
         return 2
-    module = importlib.import_module(COMMANDS[name][0])
-    try:
+    try:  # Ctrl-C during the (slow) imports is still one line
+        module = importlib.import_module(COMMANDS[name][0])
         return int(module.main(argv[1:]) or 0)
     except MeshrunError as exc:
         print(f"meshrun {name}: error: {exc}", file=sys.stderr)

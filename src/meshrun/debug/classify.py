@@ -39,6 +39,8 @@ DATA = Kind("data duplication warning", "ranks read the same batches: use meshru
             "DistributedSampler and call sampler.set_epoch(epoch) every epoch")
 LAUNCH = Kind("bad launch options", "the launcher refused the options before any worker started: follow "
               "the advice in the message above")
+REFUSED = Kind("refused by meshrun", "meshrun stopped the rank with the message above, which names the key "
+               "or flag, the value and the fix: change that and rerun")
 FOLLOW_ON = Kind("consequence of another rank's failure", "see the rank that failed first")
 
 _RULES: list[tuple[Kind, re.Pattern]] = [
@@ -48,6 +50,7 @@ _RULES: list[tuple[Kind, re.Pattern]] = [
                       r"Timed out waiting .*for.*(?:collective|recv|send)|ProcessGroupGloo.*[Tt]imed out")),
     (PORT, re.compile(r"EADDRINUSE|Address already in use|address already in use")),
     (RDZV, re.compile(r"RendezvousTimeoutError|RendezvousConnectionError|rendezvous .* timed out")),
+    (REFUSED, re.compile(r"^MeshrunError\b|^(?:Config|Model|Data|Launch|Env|WorldSize)Error\b")),
     (DATA, re.compile(r"meshrun: data warning")),
 ]
 _SIGNAL_TEXT = re.compile(r"Fatal Python error: (Segmentation fault|Aborted|Bus error)|killed by (SIG\w+)")

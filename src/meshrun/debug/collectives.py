@@ -44,6 +44,9 @@ OPS: dict[str, tuple[int, str] | None] = {
     "scatter_object_list": None,
 }
 
+JOIN_OP = "init_process_group"  # not a collective, but every rank waits there for the others
+LEAVE_OP = "destroy_process_group"  # this rank's last word: the watchdog and checker stop first
+
 # op -> position of its `group` argument
 GROUP_POS = {
     "all_reduce": 2, "broadcast": 2, "all_gather": 2, "all_gather_into_tensor": 2, "all_to_all": 2,
@@ -84,6 +87,7 @@ class CollectivePatch:
         self._seqs: dict[str, int] = {}
         self._tls = threading.local()
         self._first_hooks: list[Callable[[], None]] = []
+        self._leave_hooks: list[Callable[[], None]] = []
         self._replaced: list[tuple[object, str, object, object]] = []  # (module, op, original, wrapper)
 
     @property
@@ -121,11 +125,14 @@ class CollectivePatch:
         meshrun_dir = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
         self._fallback_skip = (torch_dir,)
         self.skip_dirs = (torch_dir, meshrun_dir)
-        for op in OPS:
+        for op in (*OPS, JOIN_OP, LEAVE_OP):
             original = getattr(c10d, op, None)
             if original is None or hasattr(original, "__meshrun_wrapped__"):
                 continue
-            wrapper = self._wrap(op, original)
+            if op in (JOIN_OP, LEAVE_OP):
+                wrapper = self._wrap_join(original) if op == JOIN_OP else self._wrap_leave(original)
+            else:
+                wrapper = self._wrap(op, original)
             for module in (c10d, dist):
                 if getattr(module, op, None) is original:
                     setattr(module, op, wrapper)
@@ -138,11 +145,49 @@ class CollectivePatch:
             if getattr(module, op, None) is wrapper:
                 setattr(module, op, original)
         self._first_hooks.clear()
+        self._leave_hooks.clear()
         self.checker = None
 
     def _run_first_hooks(self) -> None:
         while self._first_hooks:
             self._first_hooks.pop(0)()
+
+    def _wrap_join(self, fn):
+        """init_process_group waits for every rank: the watchdog sees a rank waiting there too.
+
+        Recorded like a collective (so a peer that never arrives is reported), but its return is
+        not progress: a job's start-up never arms the watchdog's every-stall rule.
+        """
+        progress = self.progress
+
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            record = CollectiveRecord(0, JOIN_OP, "world", "-", self.call_site())
+            progress.begin(record)
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                progress.end(record, count=False)
+
+        wrapper.__meshrun_wrapped__ = fn
+        return wrapper
+
+    def on_leave(self, callback: Callable[[], None]) -> None:
+        """Run `callback()` when the script destroys the default group (before torch does)."""
+        self._leave_hooks.append(callback)
+
+    def _wrap_leave(self, fn):
+        hooks = self._leave_hooks
+
+        @functools.wraps(fn)
+        def wrapper(group=None, *args, **kwargs):
+            if group is None or _group_name(group) == "world":
+                for hook in hooks:
+                    hook()
+            return fn(group, *args, **kwargs)
+
+        wrapper.__meshrun_wrapped__ = fn
+        return wrapper
 
     def _wrap(self, op: str, fn):
         where = OPS[op]

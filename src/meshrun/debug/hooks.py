@@ -82,7 +82,7 @@ class DebugHooks:
             self._exit_with_process()
 
     def install(self) -> None:
-        """Wrap collectives, count optimizer steps as progress, start the watchdog at the first collective."""
+        """Wrap collectives, count optimizer steps as progress, start the watchdog."""
         if self.collectives is not None or not self.enabled:
             return
         from torch.optim.optimizer import (
@@ -94,7 +94,8 @@ class DebugHooks:
 
         self.collectives = CollectivePatch(self.progress)
         self.collectives.install(self._make_checker if self.settings.collectives else None)
-        self.collectives.on_first_collective(self.start_watchdog)
+        self.collectives.on_leave(self.before_shutdown)  # the script's own destroy_process_group()
+        self.start_watchdog()  # now, not at the first collective: a rank that never gets there is a hang too
         progress = self.progress
         self._handles = [
             register_optimizer_step_post_hook(lambda *_: progress.beat()),
@@ -123,7 +124,7 @@ class DebugHooks:
         return Checker(store, rank, world, arrival_timeout_s=hang if hang > 0 else 60.0)
 
     def start_watchdog(self) -> None:
-        """Start the hang watchdog once, when the job has a group of more than one rank."""
+        """Start the hang watchdog once, when the job has more than one rank."""
         hang = self.settings.hang_timeout_s
         rank, world = _rank_world()
         if self.watchdog is not None or hang <= 0 or world < 2:
@@ -153,6 +154,12 @@ class DebugHooks:
         elif plan.watchdog_s >= seconds:
             half = seconds / 2
             self.settings = replace(s, hang_timeout_s=half if half >= MIN_HANG_TIMEOUT_S else 0.0)
+            if self.watchdog is not None:  # started when torch was imported, with the longer timeout
+                if self.settings.hang_timeout_s > 0:
+                    self.watchdog.timeout_s = self.settings.hang_timeout_s
+                else:
+                    self.watchdog.stopped.set()
+                    self.watchdog = None
         return timeout
 
     def after_init(self) -> None:
@@ -165,10 +172,11 @@ class DebugHooks:
     def before_shutdown(self) -> None:
         """This rank has made its last collective: tell fingerprint peers, stop watching for hangs."""
         checker = self.collectives.checker if self.collectives is not None else None
-        if checker is not None:
+        if checker is not None and not self.progress.job_ending.is_set():  # else nobody waits for it
             checker.mark_done()
+            self.collectives.checker = None  # once: destroy_process_group(), then exit, both come here
         if self.watchdog is not None:
-            self.watchdog.stopped.set()
+            self.watchdog.leave()
             self.watchdog = None
 
     def shutdown(self) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import re
 import time
 from dataclasses import dataclass, field
 
@@ -159,7 +160,40 @@ def diagnose(path: str) -> Diagnosis:
     failed = [r for r in ranks if r.failed]
     ordered = order_by_cause(failed)
     first = ordered[0] if ordered else next((r for r in ranks if r.warnings), None)
+    if first is not None and (first.follow_on or first.kind == FOLLOW_ON.name):  # all ranks only reacted
+        first.fix = blame(first, ranks) + ("" if first.kind == FOLLOW_ON.name else f"; {first.fix}")
     return Diagnosis(root, os.path.basename(run_dir), int(last.rsplit("_", 1)[1]), len(attempts), ranks, first)
+
+
+_RANK_NAMED = re.compile(r"\brank (\d+)\b")
+
+
+def blame(first: RankReport, ranks: list[RankReport]) -> str:
+    """The fix for a first failure that is only a consequence: the rank it is a consequence of.
+
+    Every rank that recorded a failure only reacted to a peer, so the cause is a rank that left
+    no error of its own: one the report names (the hang watchdog names the rank not in the
+    collective, the collective checker the rank that never arrived), else one that ended
+    without a Python error (killed, or exited while its peers still needed it).
+    """
+    others = {r.rank: r for r in ranks if r is not first}
+    named = [int(n) for n in _RANK_NAMED.findall(first.exc_text or "") if int(n) in others]
+    silent = [r.rank for r in others.values() if not r.raised]
+    culprit = next(iter(named), None)
+    if culprit is None and silent:
+        culprit = silent[0]
+    if culprit is None:
+        return ("no rank here recorded the cause: it is on another node (run `meshrun diagnose` on that "
+                "node's logs) or a node left")
+    peer = others[culprit]
+    if peer.failed and peer.signal_name:
+        how = f"it was {peer.status} without a Python error (the OOM killer? check `dmesg`)"
+    elif peer.failed:
+        how = f"it ended with {peer.status}"
+    else:
+        how = "it recorded no error: it exited, or stopped answering, while its peers still needed it"
+    where = f"; its output: {peer.log_dir}/stderr.log" if peer.log_dir else ""
+    return f"rank {culprit} caused this: {how}{where}"
 
 
 def timeline(diag: Diagnosis) -> list[dict]:

@@ -7,6 +7,7 @@ call it every step (meshrun's trainer does, through optimizer steps).
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -37,6 +38,10 @@ class Progress:
     def __init__(self) -> None:
         self.count = 0
         self.recent: deque[CollectiveRecord] = deque(maxlen=RECENT)
+        # set while the hang watchdog reports: the process is about to exit, and an error the main
+        # thread meets meanwhile (a peer that has already exited) is a consequence, not news
+        self.hang_reported = threading.Event()
+        self.job_ending = threading.Event()  # a peer has finished: its store may be gone
 
     def beat(self) -> None:
         self.count += 1
@@ -44,9 +49,10 @@ class Progress:
     def begin(self, record: CollectiveRecord) -> None:
         self.recent.append(record)
 
-    def end(self, record: CollectiveRecord) -> None:
+    def end(self, record: CollectiveRecord, *, count: bool = True) -> None:
         record.ended = time.time()
-        self.count += 1
+        if count:
+            self.count += 1
 
     def open_collective(self) -> CollectiveRecord | None:
         """The collective this rank is inside, if any."""

@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from meshrun.debug.readable import VERBOSE_ENV
 from meshrun.errors import LaunchError
 
 HANG_TIMEOUT_ENV = "MESHRUN_HANG_TIMEOUT"
@@ -120,10 +121,13 @@ class DebugSettings:
                    explicit=environ.get(HANG_TIMEOUT_SET_ENV) == "1")
 
 
-def worker_env(hang_timeout_s: float, debug: str | None, environ=None, *, explicit: bool = False) -> dict[str, str]:
+def worker_env(hang_timeout_s: float, debug: str | None, environ=None, *, explicit: bool = False,
+               verbose: bool = False) -> dict[str, str]:
     """The variables `meshrun launch` sets for its workers."""
     environ = os.environ if environ is None else environ
     env = {HANG_TIMEOUT_ENV: f"{hang_timeout_s:g}", HANG_TIMEOUT_SET_ENV: "1" if explicit else "0"}
+    if verbose:  # every frame, C++ and meshrun's own included (debug/readable.py)
+        env[VERBOSE_ENV] = "1"
     modes = parse_debug(debug)
     if modes:
         # Not TORCH_DISTRIBUTED_DEBUG=DETAIL as well: on torch 2.13 (CPU, gloo) it makes DDP's
@@ -145,4 +149,5 @@ def apply_launch_args(args) -> dict[str, str]:
     plan = TimeoutPlan.from_hang_timeout(hang)
     if plan.rendezvous_s > RDZV_JOIN_DEFAULT_S and "join_timeout" not in conf:
         args.rdzv_conf = ",".join(filter(None, [conf, f"join_timeout={plan.rendezvous_s:g}"]))
-    return worker_env(hang, getattr(args, "debug", None), explicit=explicit)
+    return worker_env(hang, getattr(args, "debug", None), explicit=explicit,
+                      verbose=bool(getattr(args, "verbose", False)))

@@ -17,6 +17,24 @@ def key_prefix(environ=None) -> str:
         environ.get("TORCHELASTIC_RUN_ID", "none"), environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
 
+def listening(environ=None) -> bool:
+    """MASTER_ADDR:MASTER_PORT accepts connections (rank 0 serves it from its init_process_group on).
+
+    A plain socket, and silent: a TCPStore client that finds nothing there logs C++ stacks as it retries.
+    """
+    import socket
+
+    environ = os.environ if environ is None else environ
+    host, port = environ.get("MASTER_ADDR"), environ.get("MASTER_PORT")
+    if not host or not port or not port.isdigit():
+        return False
+    try:
+        socket.create_connection((host, int(port)), timeout=1.0).close()
+    except OSError:
+        return False
+    return True
+
+
 def connect(timeout_s: float = 30.0):
     """A client PrefixStore on MASTER_ADDR:MASTER_PORT (the store torchrun set up), or None."""
     import torch.distributed as dist

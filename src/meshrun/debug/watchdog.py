@@ -1,13 +1,20 @@
 """The hang watchdog: when no rank makes progress for --hang-timeout seconds, fail with stacks.
 
 Progress is a returned collective (collectives.py), an optimizer step (a global step hook, so
-any training loop counts), or an explicit `meshrun.heartbeat()`. A background thread reads the
-local counter once a second: the training loop itself pays nothing beyond those increments.
-Each thread adds its rank's new progress to one store counter; when that job-wide counter has
-not moved for the timeout, the first thread to see it raises the alarm under a store key, every
-rank prints its stack and last collectives, writes error.json and exits with HANG_EXIT_CODE,
-so the elastic agent fails (or restarts) the job instead of waiting out torch's timeout.
-The watchdog arms at the first progress anywhere: start-up and loading never count as a hang.
+any training loop counts), or an explicit `meshrun.heartbeat()`. A background thread, started
+when the worker imports torch, reads the local counter once a second: the training loop itself
+pays nothing beyond those increments. Each thread adds its rank's new progress to one store
+counter; when that job-wide counter has not moved for the timeout, the first thread to see it
+raises the alarm under a store key, every rank prints its stack and last collectives, writes
+error.json and exits with HANG_EXIT_CODE, so the elastic agent fails (or restarts) the job
+instead of waiting out torch's timeout.
+
+When is it a hang? Once any rank has made progress, whenever the counter stands still for the
+timeout. Before that (start-up, loading) only when some rank has waited inside a collective for
+the whole timeout: its peers are not coming, e.g. one rank stuck in user code before the job's
+first collective. The rank that raised the alarm then names the ranks that are not in a
+collective, from what each rank published (WHERE_KEY); a rank with no running watchdog (stuck
+before importing torch) is asked for its stack with a signal when it runs on this host (stacks.py).
 """
 
 from __future__ import annotations
@@ -24,6 +31,11 @@ HANG_EXIT_CODE = 124
 ALARM_KEY = "hang/alarm"
 DUMPED_KEY = "hang/dumped"
 PROGRESS_KEY = "hang/progress"
+WHERE_KEY = "hang/where/"  # + rank: {"state": "collective" | "torch" | "user", "where": "..."}
+REPORTED_KEY = "hang/reported"  # the alarm rank has printed the job-wide report
+LEFT_KEY = "hang/left"  # ranks that have finished (destroy_process_group, shutdown or exit)
+STARTED_KEY = "hang/started"  # watchdogs that have connected to the store
+STOPPED_KEY = "hang/stopped"  # watchdogs that have stopped using the store
 DUMP_GRACE_S = 5.0  # how long the first rank waits for the others to print their stacks
 
 
@@ -39,11 +51,32 @@ class Watchdog(threading.Thread):
         self.skip_dirs = skip_dirs
         self.poll_s = min(1.0, timeout_s / 10)
         self.stopped = threading.Event()
+        self.store = None  # the thread's connection, once made
+        self.leaving = False  # stopped by leave(), which then tells the peers; else stopped alone
+
+    def leave(self) -> None:
+        """This rank is done: stop, and have every peer's watchdog stop too (see `_leave`); bounded."""
+        self.leaving = True
+        self.stopped.set()
+        if self.is_alive() and self is not threading.current_thread():
+            self.join(timeout=2 * self.poll_s + 2)
+        if self.store is not None and not self.is_alive():
+            self._leave(self.store)
 
     def run(self) -> None:
+        from meshrun.debug.store import listening
+
+        while not listening():  # started with torch's import: rank 0 may not serve the store yet
+            if self.stopped.wait(self.poll_s):
+                return
         store = self.store_factory()
         if store is None:
             return
+        try:
+            store.add(STARTED_KEY, 1)
+        except Exception:  # noqa: BLE001
+            return
+        self.store = store
         published = 0
         seen_total, changed_at = -1, time.monotonic()
         while not self.stopped.wait(self.poll_s):
@@ -56,30 +89,66 @@ class Watchdog(threading.Thread):
                     total = store.add(PROGRESS_KEY, 0)
                 if store.check([ALARM_KEY]):
                     return self._fire(store, json.loads(store.get(ALARM_KEY)))
+                if store.add(LEFT_KEY, 0) > 0:  # a peer finished: the job is ending, its store may go
+                    self.progress.job_ending.set()
+                    self.store = None
+                    store.add(STOPPED_KEY, 1)
+                    return
             except Exception:  # noqa: BLE001 - the store went away: the job is ending anyway
+                self.store = None
                 return
             now = time.monotonic()
             if total != seen_total:
                 seen_total, changed_at = total, now
-            elif total > 0 and now - changed_at >= self.timeout_s:
+            elif now - changed_at >= self.timeout_s and (total > 0 or self._waited_in_collective()):
                 alarm = {"rank": self.rank, "time": time.time(), "idle_s": round(now - changed_at, 1)}
                 try:  # the first rank to see it sets the alarm; everyone reports that one
                     alarm = json.loads(store.compare_set(ALARM_KEY, "", json.dumps(alarm)))
                 except Exception:  # noqa: BLE001
                     pass
                 return self._fire(store, alarm)
+        if not self.leaving:  # stopped alone (a shorter timeout turned it off): rank 0 need not wait for it
+            try:
+                store.add(STOPPED_KEY, 1)
+            except Exception:  # noqa: BLE001
+                pass
+            self.store = None
+
+    def _leave(self, store) -> None:
+        """Tell the peers' watchdogs; where this process serves the store, wait until they stopped.
+
+        Rank 0 serves the job's store (unless the agent does): a peer still polling it after rank 0
+        exits would meet a closed connection, and torch logs that with a C++ stack.
+        """
+        self.store = None
+        try:
+            store.add(LEFT_KEY, 1)
+            store.add(STOPPED_KEY, 1)
+            if self.rank != 0 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+                return
+            deadline = time.monotonic() + 2 * self.poll_s + 3
+            while store.add(STOPPED_KEY, 0) < store.add(STARTED_KEY, 0) and time.monotonic() < deadline:
+                time.sleep(0.05)
+        except Exception:  # noqa: BLE001 - the store went away: the job is ending anyway
+            pass
+
+    def _waited_in_collective(self) -> bool:
+        """This rank has been inside one collective for the whole timeout (its peers are not coming)."""
+        inside = self.progress.open_collective()
+        return inside is not None and time.time() - inside.started >= self.timeout_s
 
     def _fire(self, store, alarm: dict) -> None:
         from meshrun.debug.stacks import dump_all_threads, main_thread_site
 
+        self.progress.hang_reported.set()
         site, in_torch = main_thread_site(self.skip_dirs)
         inside = self.progress.open_collective()
         if inside is not None:
-            where = f"waiting in {inside.op} #{inside.seq} at {inside.site} for a peer"
+            state, where = "collective", f"waiting in {inside.op} #{inside.seq} at {inside.site} for a peer"
         elif in_torch:
-            where = f"waiting inside torch (a collective or a kernel) called from {site}"
+            state, where = "torch", f"waiting inside torch (a collective or a kernel) called from {site}"
         else:
-            where = f"stalled in user code at {site}"
+            state, where = "user", f"stalled in user code at {site}"
         head = (f"hang watchdog: no rank made progress for {self.timeout_s:g}s (--hang-timeout); "
                 f"rank {self.rank} is {where}")
         err = sys.stderr
@@ -92,17 +161,72 @@ class Watchdog(threading.Thread):
         _flight_recorder(err)
         print(f"meshrun: rank {self.rank}'s Python stacks, every thread:", file=err)
         dump_all_threads(err)
-        _write_error_file(head, site)
+        err.flush()
+        if alarm.get("rank") == self.rank:
+            _write_error_file(head, site)  # at once: the report below may be cut short by the agent
+            head = self._report_absent(store, state, where, head, err)
+            _write_error_file(head, site)
+        else:
+            _write_error_file(head, site)
+            self._answer(store, state, where)
+        err.flush()
+        sys.stdout.flush()
+        os._exit(HANG_EXIT_CODE)
+
+
+    def _answer(self, store, state: str, where: str) -> None:
+        """Publish where this rank is; stay alive until the alarm rank has reported (bounded)."""
+        try:
+            store.set(f"{WHERE_KEY}{self.rank}", json.dumps({"state": state, "where": where}))
+            store.add(DUMPED_KEY, 1)
+            deadline = time.monotonic() + DUMP_GRACE_S + 2
+            while not store.check([REPORTED_KEY]) and time.monotonic() < deadline:
+                time.sleep(0.1)
+        except Exception:  # noqa: BLE001 - the store went away: the job is ending anyway
+            pass
+
+    def _report_absent(self, store, state: str, where: str, head: str, err) -> str:
+        """Wait for every rank's answer; print (and return in `head`) the ranks not in a collective."""
+        from meshrun.debug.stacks import signal_local_ranks
+
+        states = {self.rank: {"state": state, "where": where}}
         try:
             store.add(DUMPED_KEY, 1)
             deadline = time.monotonic() + DUMP_GRACE_S
             while store.add(DUMPED_KEY, 0) < self.world_size and time.monotonic() < deadline:
                 time.sleep(0.1)
+            for rank in range(self.world_size):
+                if rank != self.rank and store.check([f"{WHERE_KEY}{rank}"]):
+                    states[rank] = json.loads(store.get(f"{WHERE_KEY}{rank}"))
         except Exception:  # noqa: BLE001
             pass
-        err.flush()
-        sys.stdout.flush()
-        os._exit(HANG_EXIT_CODE)
+        silent = [r for r in range(self.world_size) if r not in states]
+        asked = signal_local_ranks(silent, err) if silent else []  # no watchdog there: faulthandler
+        line = absent_ranks(states, silent, asked)
+        if line:
+            print(f"meshrun: {line}", file=err)
+            head = f"{head}; {line}"
+        try:
+            store.set(REPORTED_KEY, "1")
+            time.sleep(0.3)  # the store may live in this process: let the others see the key first
+        except Exception:  # noqa: BLE001
+            pass
+        return head
+
+
+def absent_ranks(states: dict[int, dict], silent: list[int], asked: list[int] = ()) -> str:
+    """'not in a collective: rank 1 (stalled in user code at t.py:6 in load)', or '' when all are in one."""
+    waiting = [r for r, s in states.items() if s.get("state") in ("collective", "torch")]
+    outside = sorted(r for r, s in states.items() if s.get("state") == "user")
+    parts = []
+    if waiting and outside:
+        parts.append("not in a collective: " + "; ".join(f"rank {r} ({states[r].get('where')})" for r in outside))
+    if silent:
+        where = ("its stack, asked for by signal, is in its output" if set(silent) <= set(asked)
+                 else "on another host, or in C code holding the GIL: see its log")
+        parts.append(f"not in a collective and not answering: rank {', '.join(map(str, silent))} "
+                     f"(no watchdog there: stuck before importing torch?; {where})")
+    return "; ".join(parts)
 
 
 def _flight_recorder(err) -> None:

@@ -143,6 +143,11 @@ def build_parser(prog: str = "meshrun launch") -> argparse.ArgumentParser:
         "Default: $MESHRUN_HANG_TIMEOUT, else 300.",
     )
     group.add_argument(
+        "--verbose",
+        action="store_true",
+        help="Show every frame of a failure: C++ stacks and meshrun's own frames, which are left out by default.",
+    )
+    group.add_argument(
         "--debug",
         choices=["collectives"],
         default=os.environ.get("MESHRUN_DEBUG") or None,

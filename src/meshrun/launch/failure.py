@@ -19,6 +19,8 @@ import re
 import signal
 from dataclasses import dataclass
 
+from meshrun.debug.readable import strip_cpp
+
 # Messages that ranks print when a *peer* died: consequences, not causes.
 FOLLOW_ON_PATTERNS = (
     "Connection reset by peer",
@@ -44,6 +46,8 @@ STOP_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP")
 _NOT_RAISED = ("KeyboardInterrupt", "SystemExit")
 _TB_LINE = re.compile(r'File "([^"]+)", line (\d+), in (\S+)')
 _EXC_LINE = re.compile(r"^([A-Za-z_][\w.]*(?:Error|Exception|Interrupt|Exit|Detected)): (.*)$")
+# meshrun's own refusal on a worker (cli/__init__.py prints a MeshrunError so, and exits 2)
+_MESHRUN_LINE = re.compile(r"^meshrun(?: [\w-]+)?: error: (.+)$")
 ERROR_FILE = "error.json"
 TAIL_LINES = 12
 STDOUT_TAIL_LINES = 5
@@ -167,17 +171,22 @@ class RankFailure:
                 self.pid = extra["pid"]
         elif isinstance(message, dict):  # torchelastic @record format: "Type: text" + py_callstack
             self.exc_type, _, self.exc_text = str(message.get("message", "")).partition(": ")
+            self.exc_text = strip_cpp(self.exc_text)
             stack = str(message.get("extraInfo", {}).get("py_callstack", ""))
             sites = _TB_LINE.findall(stack)
             if sites:
                 path, line, func = sites[-1]
                 self.site = f"{path}:{line} in {func}"
 
-    def read_logs(self, log_dir: str) -> None:
-        """The last lines of the rank's stderr/stdout; the exception from stderr when no file said."""
+    def read_logs(self, log_dir: str, *, verbose: bool | None = None) -> None:
+        """The last lines of the rank's stderr/stdout; the exception from stderr when no file said.
+
+        Unless `verbose` (default: MESHRUN_VERBOSE), C++ stack lines and meshrun's own frames are
+        left out of the lines kept (debug/readable.py).
+        """
         self.log_dir = log_dir
-        self.tail = tail(os.path.join(log_dir, "stderr.log"))
-        self.stdout_tail = tail(os.path.join(log_dir, "stdout.log"), STDOUT_TAIL_LINES)
+        self.tail = tail(os.path.join(log_dir, "stderr.log"), verbose=verbose)
+        self.stdout_tail = tail(os.path.join(log_dir, "stdout.log"), STDOUT_TAIL_LINES, verbose=verbose)
         if self.exc_type is None:
             self.read_exception_from_log(self.tail)
 
@@ -191,6 +200,10 @@ class RankFailure:
             match = _EXC_LINE.match(line.strip())
             if match:
                 self.exc_type, self.exc_text = match.group(1), match.group(2)
+                return
+            match = _MESHRUN_LINE.match(line.strip())
+            if match:
+                self.exc_type, self.exc_text = "MeshrunError", match.group(1)
                 return
 
 
@@ -206,13 +219,18 @@ def read_error_file(path: str | None) -> dict:
     return data if isinstance(data, dict) else {}
 
 
-def tail(path: str, n: int = TAIL_LINES) -> list[str]:
-    """The last n non-blank lines of a log file ([] when unreadable)."""
+def tail(path: str, n: int = TAIL_LINES, *, verbose: bool | None = None) -> list[str]:
+    """The last n non-blank lines of a log file ([] when unreadable); see RankFailure.read_logs."""
+    from meshrun.debug.readable import readable_lines
+    from meshrun.debug.readable import verbose as verbose_env
+
     try:
         with open(path, errors="replace") as fp:
             lines = fp.read().splitlines()
     except OSError:
         return []
+    if not (verbose_env() if verbose is None else verbose):
+        lines = readable_lines(lines)
     return [line for line in lines if line.strip()][-n:]
 
 

@@ -76,7 +76,7 @@ def run_plan(plan: LaunchPlan) -> int:
     except torch_elastic.ChildFailedError as exc:
         from meshrun.launch.summary import collect_failures, format_summary
 
-        failures = collect_failures(exc, log_dir)
+        failures = collect_failures(exc, log_dir, verbose=getattr(options, "verbose", False))
         sys.stdout.flush()
         print(format_summary(failures, log_dir, attempts=config.max_restarts + 1), file=sys.stderr)
         return failures[0].shell_exit_code

@@ -41,8 +41,11 @@ def rank_log_dir(root: str | None, local_rank: int) -> str | None:
     return found[-1] if found else None
 
 
-def collect_failures(child_failed_error, log_root: str | None) -> list[RankFailure]:
-    """RankFailures for every rank in a torchelastic ChildFailedError, root cause first."""
+def collect_failures(child_failed_error, log_root: str | None, *, verbose: bool | None = None) -> list[RankFailure]:
+    """RankFailures for every rank in a torchelastic ChildFailedError, root cause first.
+
+    `verbose` keeps C++ stack lines and meshrun's frames in the log tails (RankFailure.read_logs).
+    """
     host = socket.gethostname()
     failures = []
     for rank, pf in child_failed_error.failures.items():
@@ -54,7 +57,7 @@ def collect_failures(child_failed_error, log_root: str | None) -> list[RankFailu
         own_dir = os.path.dirname(error_file) if error_file else None
         log_dir = own_dir if own_dir and os.path.isdir(own_dir) else rank_log_dir(log_root, pf.local_rank)
         if log_dir:
-            failure.read_logs(log_dir)
+            failure.read_logs(log_dir, verbose=verbose)
         failures.append(failure)
     failures = classify_follow_on(failures)
     save_failures(failures, log_root)

@@ -16,10 +16,6 @@ import time
 
 _RUNPY = os.path.join(os.path.dirname(os.path.abspath(os.__file__)), "runpy.py")  # not imported for a .py
 _SKIP_FILES = {os.path.abspath(__file__), _RUNPY, "<frozen runpy>"}
-_LIBRARY_DIRS = tuple(
-    {os.path.abspath(p) for p in (sys.prefix, sys.base_prefix, sys.exec_prefix)}
-    | {os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep}  # meshrun itself
-)
 
 
 def _skipped(filename: str) -> bool:
@@ -40,11 +36,6 @@ def _frames(tb) -> list[tuple[str, int, str]]:
     return [(fs.filename, fs.lineno or 0, fs.name) for fs in traceback.extract_tb(tb)]
 
 
-def _is_user_file(path: str) -> bool:
-    path = os.path.abspath(path)
-    return not path.startswith(_LIBRARY_DIRS) and "site-packages" not in path and not path.startswith("<")
-
-
 def _explain(exc: BaseException) -> str | None:
     """meshrun's explanation of a torch error the guide warns about (meshrun.debug.explain)."""
     try:
@@ -61,8 +52,10 @@ def _write_error_file(exc: BaseException, tb, formatted: str, hint: str | None =
         return
     import json
 
+    from meshrun.debug.readable import is_user_file, strip_cpp
+
     frames = _frames(tb)
-    user = [f for f in frames if _is_user_file(f[0])]
+    user = [f for f in frames if is_user_file(f[0])]
     site = (user or frames or [("<unknown>", 0, "<module>")])[-1]
     raised = (frames or [site])[-1]
     now = time.time()
@@ -74,7 +67,7 @@ def _write_error_file(exc: BaseException, tb, formatted: str, hint: str | None =
         "meshrun": {
             "time": now,
             "type": type(exc).__name__,
-            "text": str(exc),
+            "text": strip_cpp(str(exc)),  # the full message, C++ stack included, is in py_callstack
             "file": site[0],
             "line": site[1],
             "function": site[2],
@@ -96,6 +89,16 @@ def _mark_runtime_failed() -> None:
     session = sys.modules.get("meshrun.runtime.session")
     if session is not None:
         session.mark_failed()
+
+
+def _wait_for_hang_report() -> bool:
+    """While the hang watchdog reports (it then exits the process), let the main thread add nothing."""
+    process = sys.modules.get("meshrun.runtime.process")
+    runtime = process.peek() if process is not None else None
+    if runtime is None or not runtime.progress.hang_reported.is_set():
+        return False
+    time.sleep(30)  # the watchdog ends the process within its grace period; this is only a bound
+    return True
 
 
 def _die_with_agent() -> None:
@@ -134,6 +137,12 @@ class _DebugWhenTorchImports:
 
 def _install_debug() -> None:
     """Hang watchdog and --debug collectives (meshrun.debug), only when the launcher asked."""
+    if os.environ.get("MESHRUN_HANG_TIMEOUT", "0") not in ("0", ""):
+        import signal
+
+        # A peer's watchdog can ask for this rank's stacks even before it imports torch
+        # (meshrun.debug.stacks.STACK_SIGNAL, not imported here: the first line waits for no meshrun module).
+        faulthandler.register(signal.SIGUSR2, file=sys.stderr, all_threads=True, chain=False)
     if os.environ.get("MESHRUN_DEBUG") or os.environ.get("MESHRUN_HANG_TIMEOUT", "0") not in ("0", ""):
         if "torch" in sys.modules:
             from meshrun.debug.hooks import install_import_hook
@@ -204,18 +213,25 @@ def run(argv: list[str]) -> int:
     except BaseException as exc:  # noqa: BLE001 - every failure must be recorded
         import traceback
 
+        from meshrun.debug.readable import format_exception, is_user_file, verbose
+
         _mark_runtime_failed()
+        if _wait_for_hang_report():
+            return 124  # meshrun.debug.watchdog.HANG_EXIT_CODE, should the watchdog not have exited
+        if isinstance(exc, KeyboardInterrupt):  # Ctrl-C reached the whole group: the launcher says so once
+            return 130
         tb = _user_traceback(exc)
-        formatted = "".join(traceback.format_exception(type(exc), exc, tb))
+        full = "".join(traceback.format_exception(type(exc), exc, tb))
+        formatted = full if verbose() else format_exception(exc, tb)
         if getattr(exc, "meshrun_diagnosis", False):  # meshrun's own report: the user's frames only
-            frames = [f for f in traceback.extract_tb(tb) if _is_user_file(f.filename)]
+            frames = [f for f in traceback.extract_tb(tb) if is_user_file(f.filename)]
             formatted = "".join(["Traceback (most recent call last):\n", *traceback.format_list(frames),
                                  f"{type(exc).__name__}: {exc}\n"])
         sys.stderr.write(formatted)
         hint = _explain(exc)
         if hint:
             sys.stderr.write(f"meshrun: {hint}\n")
-        _write_error_file(exc, tb, formatted, hint)
+        _write_error_file(exc, tb, full, hint)
         return 1
     return 0
 
