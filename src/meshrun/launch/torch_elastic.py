@@ -68,8 +68,51 @@ def run_agent(config: LaunchConfig, entrypoint, args: list[str], environ: Mappin
 
     quiet: torchelastic's INFO/WARNING chatter buries the user's output; errors still show.
     """
-    with scoped_environ(environ), _quiet_loggers(quiet), agent_store(config):
+    with scoped_environ(environ), _quiet_loggers(quiet), agent_store(config), _tolerant_error_files():
         elastic_launch(config=config, entrypoint=entrypoint)(*args)
+
+
+@contextlib.contextmanager
+def _tolerant_error_files() -> Iterator[None]:
+    """While the agent runs, a rank's empty or partial error file reads as no error file.
+
+    torch 2.13's ProcessFailure parses each failed rank's error.json in the agent and re-raises
+    any parse error, so a file a full disk left empty (JSONDecodeError) crashed the launcher
+    before any summary. The file's path is kept: the summary still finds the rank's logs there.
+    """
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    original = ProcessFailure.__post_init__
+
+    def post_init(self) -> None:  # noqa: ANN001 - dataclass hook
+        if _error_file_readable(self.error_file):
+            original(self)
+            return
+        path, self.error_file = self.error_file, ""  # torch's own "no error file" path
+        original(self)
+        self.error_file = path
+
+    ProcessFailure.__post_init__ = post_init
+    try:
+        yield
+    finally:
+        ProcessFailure.__post_init__ = original
+
+
+def _error_file_readable(path: str) -> bool:
+    """Is `path` missing (torch handles that) or an error file torch can parse? False for a damaged one."""
+    import json
+
+    if not path or not os.path.isfile(path):
+        return True
+    try:
+        with open(path) as fp:
+            data = json.load(fp)
+        message = data["message"]
+        int(data.get("timestamp", 0) if isinstance(message, str) else message["extraInfo"]["timestamp"])
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return False
+    return True
 
 
 _FALSE = ("0", "false", "f", "no", "n")  # torch's RendezvousParameters.get_as_bool
