@@ -125,7 +125,8 @@ def test_launch_static_single_node_listens_on_loopback_only(tmp_path):
 def test_train_single_node_listens_on_loopback_only(tmp_path):
     """`meshrun train` tiny on 2 processes, sampled while it runs: no listener beyond loopback."""
     proc = _start([str(BIN / "meshrun"), "train", TINY, "--set", "train.name=lo", "--set",
-                   f"train.run_dir={tmp_path}", "--set", "train.steps=4"], tmp_path)
+                   f"train.run_dir={tmp_path}", "--set", "train.steps=4", "--set", "metrics.jsonl=false",
+                   "--set", "checkpoint.interval=0"], tmp_path)
     seen: set[tuple[int, str, int]] = set()
     try:
         deadline = time.monotonic() + 120
