@@ -88,3 +88,47 @@ def test_agent_reads_a_damaged_error_file_as_none(tmp_path, content):
     good.write_text(json.dumps({"message": {"message": "E: x", "extraInfo": {"timestamp": "5"}}}))
     with torch_elastic._tolerant_error_files():
         assert ProcessFailure(local_rank=0, pid=1, exitcode=1, error_file=str(good)).timestamp == 5
+
+
+class _Position:
+    """The data position a checkpoint records (a plain stand-in for the run's loader)."""
+
+    def state_dict(self) -> dict:
+        return {"epoch": 0, "consumed": 0}
+
+
+def test_failed_async_save_keeps_the_last_commit_and_latest(tmp_path):
+    """A background (async) write past the limit: DiskWriteError at the wait, step 1 stays latest."""
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    from meshrun.checkpoint import manifest as mf
+    from meshrun.checkpoint.manager import Checkpointer
+    from meshrun.checkpoint.state import TrainState
+    from meshrun.config import CheckpointSection
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        model = torch.nn.Linear(64, 64)
+        optimizer = torch.optim.AdamW(model.parameters())
+        model(torch.ones(1, 64)).sum().backward()
+        optimizer.step()
+        state = TrainState([model], [optimizer], [torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)],
+                           _Position(), step=1)
+        env = SimpleNamespace(rank=0, world_size=1, is_main=True, device=torch.device("cpu"))
+        with Checkpointer(CheckpointSection(interval=1, async_save=True), run_dir=tmp_path, env=env,
+                          layout={}) as ckpt:
+            ckpt.root.mkdir(parents=True)
+            ckpt.save(state, blocking=False)
+            ckpt.finish(state)  # waits, commits step 1
+            state.step = 2
+            with file_size_limit(20_000):  # the RNG and train-state files fit, the tensors (~50 KB) do not
+                ckpt.save(state, blocking=False)
+                with pytest.raises(DiskWriteError, match="checkpoint step-00000002 could not be written"):
+                    ckpt.finish(state)
+    finally:
+        dist.destroy_process_group()
+    assert mf.read_latest(ckpt.root) == "step-00000001"
+    assert [p.name for p in ckpt.root.iterdir() if p.is_dir()] == ["step-00000001"]  # no .tmp left
+    assert mf.problem(ckpt.root / "step-00000001") is None
