@@ -31,3 +31,9 @@ class DataError(MeshrunError):
 
 class ModelError(MeshrunError):
     """The model cannot be built as configured (e.g. a factory that does not import)."""
+
+
+class DiskWriteError(MeshrunError):
+    """A file could not be written (no space, read-only, I/O error): the job stops, nothing committed is lost."""
+
+    exit_code = 1  # a failed job, not bad input

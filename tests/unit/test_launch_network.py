@@ -10,6 +10,8 @@ from meshrun.launch.args import build_parser
 from meshrun.launch.network import (
     NodeNetwork,
     interface_addresses,
+    interface_of,
+    loopback_network,
     node_network,
     route_source,
     worker_socket_env,
@@ -63,7 +65,18 @@ def test_multinode_plan_sets_address_and_interface_but_keeps_user_settings(monke
     assert "NCCL_SOCKET_IFNAME" not in plan.env  # the user's ib0 stays
     assert args.local_addr is None and "GLOO_SOCKET_IFNAME" not in os.environ  # planning changes nothing
     single = plan_launch(build_parser().parse_args(["--nnodes", "1", "--local-addr", "h", "x.py"]))
-    assert single.options.local_addr == "h" and single.network is None
+    assert single.options.local_addr == "h" and single.network == loopback_network()  # the user's address stays
+
+
+def test_single_node_plan_is_loopback_only(monkeypatch):
+    """One node: MASTER_ADDR (via --local-addr) and gloo/NCCL on loopback, unless the user chose."""
+    for var in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+        monkeypatch.delenv(var, raising=False)
+    plan = plan_launch(build_parser().parse_args(["--nproc-per-node", "2", "x.py"]))
+    assert plan.options.local_addr == "127.0.0.1"
+    assert plan.env["GLOO_SOCKET_IFNAME"] == plan.env["NCCL_SOCKET_IFNAME"] == interface_of("127.0.0.1")
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "eth9")
+    assert "GLOO_SOCKET_IFNAME" not in plan_launch(build_parser().parse_args(["x.py"])).env
 
 
 def test_restart_setting_is_set_unless_the_user_chose(monkeypatch):

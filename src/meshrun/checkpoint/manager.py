@@ -27,10 +27,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 from meshrun.checkpoint import manifest as mf
 from meshrun.checkpoint import safe_load, selection
+from meshrun.checkpoint import write_fault as wf
 from meshrun.checkpoint.preemption import Preempted, PreemptionSignals, write_marker
 from meshrun.checkpoint.samples import SampleLog
 from meshrun.checkpoint.state import (
@@ -43,7 +45,9 @@ from meshrun.checkpoint.state import (
     train_state,
 )
 from meshrun.checkpoint.verify import check_fits
+from meshrun.errors import DiskWriteError
 from meshrun.runtime import process
+from meshrun.runtime.diskfault import disk_fault
 from meshrun.runtime.process import DistEnv
 
 logger = logging.getLogger(__name__)
@@ -158,20 +162,38 @@ class Checkpointer:
             self._runtime_undo.remove(self.close)
 
     def save(self, state: TrainState, *, blocking: bool = True) -> None:
+        """Write step `state.step` to a .tmp directory, then commit it (now, or when a background write ends).
+
+        A write that fails on a full, read-only or failing disk raises DiskWriteError on every
+        rank, after the .tmp directory is removed; the previous checkpoint and `latest` stay.
+        """
         self._wait()  # one write at a time
         if self._last_saved == state.step:
             return
         tmp = self.root / f"{mf.step_dir_name(state.step)}.tmp-{self.session}"
-        (tmp / "rng").mkdir(parents=True, exist_ok=True)
-        torch.save(rng_state(), tmp / "rng" / f"rank-{self.env.rank:05d}.pt")
-        if self.env.is_main:
-            torch.save(train_state(state, layout=self.layout, config_toml=self.config_toml), tmp / mf.TRAIN_STATE)
-        _maybe_fault(state.step, self.env)
+        local = None
+        try:
+            (tmp / "rng").mkdir(parents=True, exist_ok=True)
+            torch.save(rng_state(), tmp / "rng" / f"rank-{self.env.rank:05d}.pt")
+            if self.env.is_main:
+                torch.save(train_state(state, layout=self.layout, config_toml=self.config_toml), tmp / mf.TRAIN_STATE)
+        except (OSError, RuntimeError) as exc:
+            local = wf.write_failure(exc)
+            if local is None:
+                raise
         tensors = tensor_state(state)
+        needed = wf.state_bytes(tensors)  # the size estimate a failure names, if no checkpoint is on disk yet
+        failed = wf.first_failure(local)  # every rank stops together, not only the one whose write failed
+        if failed is not None:
+            raise self._write_failed(failed, tmp, needed)
+        _maybe_fault(state.step, self.env)
         self._last_saved = state.step
         if blocking:
-            dcp.save(tensors, checkpoint_id=str(tmp))
-            self._commit(tmp, state.step)
+            try:
+                dcp.save(tensors, checkpoint_id=str(tmp))
+            except (CheckpointException, OSError, RuntimeError) as exc:
+                raise self._write_failed_or(exc, tmp, needed) from None
+            self._commit(tmp, state.step, needed)
         else:
             if self._async_group is None and dist.get_world_size() > 1:
                 # DCP's collectives run in a background thread: give them their own group, never
@@ -183,7 +205,7 @@ class Checkpointer:
                                                             use_non_blocking_copy=False))
             future = dcp.async_save(tensors, checkpoint_id=str(tmp), process_group=self._async_group,
                                     async_stager=self._stager)
-            self._pending = (getattr(future, "upload_completion", future), tmp, state.step)
+            self._pending = (getattr(future, "upload_completion", future), tmp, state.step, needed)
 
     def _poll(self) -> None:
         if self._pending is not None and self._pending[0].done():
@@ -192,21 +214,44 @@ class Checkpointer:
     def _wait(self) -> None:
         if self._pending is None:
             return
-        future, tmp, step = self._pending
+        future, tmp, step, needed = self._pending
         self._pending = None
-        future.result()
-        self._commit(tmp, step)
+        try:
+            future.result()
+        except (CheckpointException, OSError, RuntimeError) as exc:
+            raise self._write_failed_or(exc, tmp, needed) from None
+        self._commit(tmp, step, needed)
 
-    def _commit(self, tmp: Path, step: int) -> None:
+    def _write_failed_or(self, exc: BaseException, tmp: Path, needed: int | None) -> BaseException:
+        """DiskWriteError for a write that failed on the disk, else `exc` itself (a real bug)."""
+        failed = wf.write_failure(exc)
+        return exc if failed is None else self._write_failed(failed, tmp, needed)
+
+    def _write_failed(self, exc: OSError, tmp: Path, estimate: int | None) -> DiskWriteError:
+        # Every rank has stopped writing: rank 0 frees what the failed write took, and the others
+        # wait for that, so that their one line reaches their log on the same full disk.
+        key = f"meshrun/ckpt_write_failed/{self.session}/{tmp.name}"
+        if self.env.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
+        wf.store_signal(key, set_it=self.env.is_main)
+        needed = wf.checkpoint_bytes(self.root) or estimate  # the last checkpoint's size, when there is one
+        return wf.write_failed(exc, tmp=tmp, root=self.root, needed=needed)
+
+    def _commit(self, tmp: Path, step: int, needed: int | None = None) -> None:
         """Rank 0, after every rank has written: manifest, atomic rename, `latest`, keep the last K."""
         if not self.env.is_main:
             return
         final = self.root / mf.step_dir_name(step)
-        mf.write_manifest(tmp, step=step, layout=self.layout, session=self.session, time=time.time())
-        if final.exists():
-            shutil.rmtree(final)  # the same step saved again (a redone step after a restart)
-        os.replace(tmp, final)
-        mf.write_latest(self.root, final.name)
+        try:
+            mf.write_manifest(tmp, step=step, layout=self.layout, session=self.session, time=time.time())
+            if final.exists():
+                shutil.rmtree(final)  # the same step saved again (a redone step after a restart)
+            os.replace(tmp, final)
+            mf.write_latest(self.root, final.name)
+        except OSError as exc:
+            if disk_fault(exc) is None:
+                raise
+            raise self._write_failed(exc, tmp, needed) from None
         for old in mf.committed(self.root)[self.cfg.keep:]:
             shutil.rmtree(old, ignore_errors=True)
         logger.info("meshrun: checkpoint %s committed", final)

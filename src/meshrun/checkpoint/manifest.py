@@ -84,11 +84,15 @@ def write_manifest(ckpt: Path, **info) -> dict:
     manifest = {"version": VERSION, **info, "files": files}
     manifest[SELF_SHA] = hashlib.sha256(_canonical(manifest).encode()).hexdigest()
     tmp = ckpt / (MANIFEST + ".tmp")
-    with open(tmp, "w") as fp:
-        fp.write(_canonical(manifest))
-        fp.flush()
-        os.fsync(fp.fileno())
-    tmp.replace(ckpt / MANIFEST)
+    try:
+        with open(tmp, "w") as fp:
+            fp.write(_canonical(manifest))
+            fp.flush()
+            os.fsync(fp.fileno())
+        tmp.replace(ckpt / MANIFEST)
+    except OSError:  # a full disk: no partial manifest is left to look like a commit
+        tmp.unlink(missing_ok=True)
+        raise
     return manifest
 
 
@@ -142,9 +146,14 @@ def is_checkpoint(path: Path) -> bool:
 
 
 def write_latest(root: Path, name: str) -> None:
+    """Point `latest` at `name` atomically: on a failed write (a full disk) it still names the old one."""
     tmp = root / (LATEST + ".tmp")
-    tmp.write_text(name + "\n")
-    tmp.replace(root / LATEST)
+    try:
+        tmp.write_text(name + "\n")
+        tmp.replace(root / LATEST)
+    except OSError:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def read_latest(root: Path) -> str | None:

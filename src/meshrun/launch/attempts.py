@@ -109,11 +109,14 @@ class AttemptRecorder(logging.Handler):
                          f"{cause} (a consequence: another rank or node failed first, or a node left)")
             line = f"meshrun: attempt {attempt} failed on {socket.gethostname()}: {cause}; {then}"
             self.lines.append(line)
-            os.makedirs(self.log_root, exist_ok=True)
-            with open(os.path.join(self.log_root, FAILURES_FILE), "a") as fp:
-                fp.write(f"{time.strftime('%Y-%m-%dT%H:%M:%S')} {line}\n")
-                for other in failures[1:]:
-                    fp.write(f"    then {other.describe()}\n")
+            try:
+                os.makedirs(self.log_root, exist_ok=True)
+                with open(os.path.join(self.log_root, FAILURES_FILE), "a") as fp:
+                    fp.write(f"{time.strftime('%Y-%m-%dT%H:%M:%S')} {line}\n")
+                    for other in failures[1:]:
+                        fp.write(f"    then {other.describe()}\n")
+            except OSError:  # a full disk: the notice below and the summary still say it
+                pass
             if left > 0:  # otherwise the job's failure summary follows at once
                 stream = self.stream or sys.stderr
                 stream.write(line + "\n")

@@ -79,6 +79,7 @@ def run_plan(plan: LaunchPlan) -> int:
         failures = collect_failures(exc, log_dir, verbose=getattr(options, "verbose", False))
         sys.stdout.flush()
         print(format_summary(failures, log_dir, attempts=config.max_restarts + 1), file=sys.stderr)
+        _warn_if_disk_full(log_dir)
         return failures[0].shell_exit_code
     except torch_elastic.RendezvousError as exc:
         from meshrun.launch.summary import record_launch_error
@@ -94,6 +95,19 @@ def run_plan(plan: LaunchPlan) -> int:
         print(f"meshrun: the job succeeded after {len(recorder.lines)} failed attempt(s); "
               f"see {os.path.join(log_dir, attempts.FAILURES_FILE)}", file=sys.stderr)
     return 0
+
+
+LOW_DISK_BYTES = 1 << 20  # below this, a rank's last lines and error file were likely cut short
+
+
+def _warn_if_disk_full(log_dir: str) -> None:
+    """A failed job on a full disk: its ranks may not have been able to write why (one line)."""
+    from meshrun.runtime.diskfault import free_bytes, human_bytes
+
+    free = free_bytes(log_dir)
+    if free is not None and free < LOW_DISK_BYTES:
+        print(f"meshrun: the filesystem holding {log_dir} has {human_bytes(free)} free: the ranks' "
+              f"output and error files above may be cut short; free space there and re-run", file=sys.stderr)
 
 
 def rendezvous_failure(exc: Exception, config) -> str:

@@ -101,6 +101,18 @@ def node_network(host: str, port: int, *, port_bound_here: bool) -> NodeNetwork:
     return NodeNetwork(is_host=is_host, local_addr=source, ifname=ifname)
 
 
+LOOPBACK_ADDR = "127.0.0.1"
+
+
+def loopback_network() -> NodeNetwork:
+    """A single node: MASTER_ADDR, rank 0's store and gloo/NCCL listen on loopback only.
+
+    Nothing but this machine's own processes connects, so nothing listens where other hosts
+    reach it (docs/multinode.md, "Which ports listen where").
+    """
+    return NodeNetwork(is_host=None, local_addr=LOOPBACK_ADDR, ifname=interface_of(LOOPBACK_ADDR) or "lo")
+
+
 def worker_socket_env(net: NodeNetwork, environ: os._Environ | dict | None = None) -> dict[str, str]:
     """GLOO/NCCL_SOCKET_IFNAME for the workers, each only when the user has not set it."""
     environ = os.environ if environ is None else environ

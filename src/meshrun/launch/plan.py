@@ -6,6 +6,7 @@ not the file system). The launcher (launcher.py) runs the plan. What meshrun add
 * `--nproc-per-node auto`; a single-node job without rendezvous flags gets c10d on a free port,
   as torchrun >= 2.12 does, so two jobs at once never collide;
 * under SLURM, --nnodes and --rdzv-* from SLURM_* (slurm.py), where the user left them out;
+* one node: every listener on loopback (--local-addr 127.0.0.1, GLOO/NCCL_SOCKET_IFNAME=lo);
 * several nodes over c10d: the store host role, the node's address and the gloo/NCCL interface
   from this machine's routes (network.py), where the user left them out;
 * every rank tee'd to per-rank files (for the failure summary), lines prefixed [rank N];
@@ -146,8 +147,14 @@ def _slurm(environ: Mapping[str, str]) -> SlurmJob | None:
 
 
 def _network(options: argparse.Namespace) -> NodeNetwork | None:
-    """Several nodes over c10d: host role, node address and socket interface from the routes."""
-    if options.rdzv_backend != "c10d" or parse_nnodes(options.nnodes)[1] <= 1 or not options.rdzv_endpoint:
+    """Several nodes over c10d: host role, node address and socket interface from the routes.
+
+    One node: loopback only (network.loopback_network)."""
+    if parse_nnodes(options.nnodes)[1] <= 1:
+        from meshrun.launch.network import loopback_network
+
+        return loopback_network()
+    if options.rdzv_backend != "c10d" or not options.rdzv_endpoint:
         return None
     from meshrun.launch.network import node_network
     from meshrun.launch.ports import port_in_use

@@ -8,6 +8,10 @@ torch 2.13's `LaunchConfig` has no field for the workers' environment: the agent
 `os.environ` when it starts the workers (and reads launcher settings such as
 TORCH_DISABLE_SHARE_RDZV_TCP_STORE from there too). `run_agent` therefore sets the plan's
 variables only while the agent runs and restores the caller's environment afterwards.
+
+The store this agent hosts (c10d's on node 0, or static's on node rank 0) listens only on the
+endpoint host's address: `agent_store` serves it there first (runtime/store.py), and torch's own
+multi-tenant TCPStore on that port reuses it. Without that, torch binds every interface.
 Imported only once a launch is about to run: it imports torch.
 """
 
@@ -32,7 +36,7 @@ from torch.distributed.run import config_from_args, get_args_parser
 __all__ = [
     "AGENT_PROCS_LOGGER", "ChildFailedError", "JOIN_TIMEOUT_DEFAULT_S", "LaunchConfig", "RendezvousClosedError",
     "RendezvousError", "RendezvousTimeoutError", "SignalException", "agent_failure_record", "build_config",
-    "run_agent", "run_log_dir", "scoped_environ", "torchrun_parser",
+    "agent_store", "run_agent", "run_log_dir", "scoped_environ", "torchrun_parser",
 ]
 
 # The agent's logger for worker processes; it logs one ERROR record per failed attempt:
@@ -64,8 +68,82 @@ def run_agent(config: LaunchConfig, entrypoint, args: list[str], environ: Mappin
 
     quiet: torchelastic's INFO/WARNING chatter buries the user's output; errors still show.
     """
-    with scoped_environ(environ), _quiet_loggers(quiet):
+    with scoped_environ(environ), _quiet_loggers(quiet), agent_store(config), _tolerant_error_files():
         elastic_launch(config=config, entrypoint=entrypoint)(*args)
+
+
+@contextlib.contextmanager
+def _tolerant_error_files() -> Iterator[None]:
+    """While the agent runs, a rank's empty or partial error file reads as no error file.
+
+    torch 2.13's ProcessFailure parses each failed rank's error.json in the agent and re-raises
+    any parse error, so a file a full disk left empty (JSONDecodeError) crashed the launcher
+    before any summary. The file's path is kept: the summary still finds the rank's logs there.
+    """
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    original = ProcessFailure.__post_init__
+
+    def post_init(self) -> None:  # noqa: ANN001 - dataclass hook
+        if _error_file_readable(self.error_file):
+            original(self)
+            return
+        path, self.error_file = self.error_file, ""  # torch's own "no error file" path
+        original(self)
+        self.error_file = path
+
+    ProcessFailure.__post_init__ = post_init
+    try:
+        yield
+    finally:
+        ProcessFailure.__post_init__ = original
+
+
+def _error_file_readable(path: str) -> bool:
+    """Is `path` missing (torch handles that) or an error file torch can parse? False for a damaged one."""
+    import json
+
+    if not path or not os.path.isfile(path):
+        return True
+    try:
+        with open(path) as fp:
+            data = json.load(fp)
+        message = data["message"]
+        int(data.get("timestamp", 0) if isinstance(message, str) else message["extraInfo"]["timestamp"])
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return False
+    return True
+
+
+_FALSE = ("0", "false", "f", "no", "n")  # torch's RendezvousParameters.get_as_bool
+
+
+@contextlib.contextmanager
+def agent_store(config: LaunchConfig) -> Iterator[None]:
+    """While the agent runs, serve the store it hosts on the endpoint host's address only.
+
+    c10d at port 0 (a single node) gets the free port chosen here written into
+    `config.rdzv_endpoint`. A node that must not host (static node rank > 0, c10d is_host=0),
+    another agent already on the port, or an endpoint that is not this machine's: torch decides.
+    """
+    from meshrun.launch.preflight import parse_endpoint
+    from meshrun.runtime.store import hold_server
+
+    conf = config.rdzv_configs or {}
+    if config.rdzv_backend == "static":
+        hosts = str(conf.get("rank", 0)) == "0"
+    elif config.rdzv_backend == "c10d" and conf.get("store_type", "tcp") == "tcp":
+        hosts = str(conf.get("is_host", "")).strip().lower() not in _FALSE
+    else:
+        hosts = False
+    if not hosts:
+        yield
+        return
+    host, port = parse_endpoint(config.rdzv_endpoint)
+    with hold_server(host, port, one_node=config.max_nodes == 1) as store:
+        if store is not None and port == 0:
+            config.rdzv_endpoint = f"[{host}]:{store.port}" if ":" in host else f"{host}:{store.port}"
+        yield
 
 
 def run_log_dir(logs_specs) -> str | None:

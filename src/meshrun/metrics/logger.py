@@ -13,6 +13,7 @@ line, so a crash loses nothing that was logged.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import logging
@@ -21,6 +22,8 @@ import time
 import warnings
 from pathlib import Path
 from typing import IO, Any
+
+from meshrun.runtime.diskfault import disk_fault, disk_write_error
 
 logger = logging.getLogger(__name__)
 
@@ -152,8 +155,14 @@ class MetricsLogger:
 
     @staticmethod
     def _write(stream: IO[str], record: dict[str, Any]) -> None:
-        stream.write(json.dumps({key: _jsonable(value) for key, value in record.items()}) + "\n")
-        stream.flush()  # to the OS on every line: a crashed run keeps every line it logged
+        try:
+            stream.write(json.dumps({key: _jsonable(value) for key, value in record.items()}) + "\n")
+            stream.flush()  # to the OS on every line: a crashed run keeps every line it logged
+        except OSError as exc:  # a full or read-only disk: one line that names the file, not a traceback
+            if disk_fault(exc) is None:
+                raise
+            raise disk_write_error(exc, stream.name, what="a metrics row",
+                                   after="the run stops; its last checkpoint is intact") from None
 
     def flush(self) -> None:
         for stream in (self._metrics, self._rank_file):
@@ -166,7 +175,8 @@ class MetricsLogger:
         """Close every file; later log calls do nothing. Safe to call twice."""
         for stream in (self._metrics, self._rank_file):
             if stream is not None:
-                stream.close()
+                with contextlib.suppress(OSError):  # a line a full disk refused, still buffered
+                    stream.close()
         if self._tb is not None:
             self._tb.close()
         self._metrics = self._rank_file = self._tb = None

@@ -31,7 +31,7 @@ from meshrun.debug import hooks as debug_hooks
 from meshrun.errors import MeshrunError, WorldSizeError
 from meshrun.runtime import process
 from meshrun.runtime.device import pick_backend, pick_device
-from meshrun.runtime.env import read_launch_env
+from meshrun.runtime.env import LaunchEnv, read_launch_env
 from meshrun.runtime.process import DistEnv, Runtime
 
 __all__ = ["DistEnv", "Runtime", "current", "init", "mark_failed", "print0", "shutdown"]
@@ -91,7 +91,7 @@ def _init(
         # The user (or a framework) made the group; adopt it, leave its teardown to them.
         chosen = dist.get_backend()
     else:
-        _create_group(chosen, dev, debug.collective_timeout(_as_timedelta(timeout)), launched=launch.launched)
+        _create_group(chosen, dev, debug.collective_timeout(_as_timedelta(timeout)), launch)
         runtime.owns_group = True
     local_world = launch.local_world_size if launch.launched else 1
     runtime.dist_env = DistEnv(dist.get_rank(), launch.local_rank, dist.get_world_size(), local_world, dev, chosen)
@@ -99,6 +99,23 @@ def _init(
     _install_process_hooks(runtime)
     debug.after_init()  # hang watchdog, --debug collectives (when meshrun launch asked)
     return runtime
+
+
+def _rank0_store(launch: LaunchEnv):
+    """Rank 0 hosts the job's store (unless the agent's is shared): on MASTER_ADDR only, not on `*`.
+
+    init_process_group's multi-tenant TCPStore on MASTER_PORT reuses the server held here
+    (runtime/store.py); on one node MASTER_ADDR is 127.0.0.1 (meshrun launch passes --local-addr).
+    """
+    import contextlib
+
+    if (launch.rank != 0 or not launch.master_addr or not launch.master_port
+            or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)):
+        return contextlib.nullcontext()
+    from meshrun.runtime.store import hold_server
+
+    return hold_server(launch.master_addr, launch.master_port,
+                       one_node=launch.world_size == launch.local_world_size)
 
 
 def _check_world(world_size: int, min_world_size: int, *, launched: bool) -> None:
@@ -113,11 +130,12 @@ def _check_world(world_size: int, min_world_size: int, *, launched: bool) -> Non
     )
 
 
-def _create_group(backend: str, dev: torch.device, timeout: timedelta | None, *, launched: bool) -> None:
-    if launched:
+def _create_group(backend: str, dev: torch.device, timeout: timedelta | None, launch: LaunchEnv) -> None:
+    if launch.launched:
         # env:// reads MASTER_ADDR/PORT, RANK, WORLD_SIZE (and torchelastic's shared store).
         device_id = None if dev.type == "cpu" else dev
-        dist.init_process_group(backend, timeout=timeout, device_id=device_id)
+        with _rank0_store(launch):
+            dist.init_process_group(backend, timeout=timeout, device_id=device_id)
         return
     from meshrun.launch.plain_python import launch_command
 

@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
         # Bad input found on the workers (data file, model factory): one line, exit 2.
         print(f"meshrun train: error: {exc}", file=sys.stderr)
         meshrun.shutdown(failed=True)
-        return 2
+        return exc.exit_code  # 2 for bad input; 1 for a failed job (e.g. DiskWriteError)
     if env.is_main:
         _finish_report(cfg, run_dir, result)
     meshrun.shutdown()
