@@ -12,6 +12,7 @@ import subprocess
 import time
 from pathlib import Path
 
+import pytest
 from conftest import BIN, TINY, _descendants, child_env, kill_tree
 
 from meshrun.runtime.store import hold_server
@@ -73,11 +74,11 @@ def test_listeners_helper_sees_every_interface_and_loopback():
 
 HOLD = """
 import os, sys, time
-import meshrun, torch, torch.distributed as dist
-env = meshrun.init()
+import torch, torch.distributed as dist
+dist.init_process_group("gloo")  # the guide's way, not meshrun.init(): rank 0's env:// store
 t = torch.ones(1)
 dist.all_reduce(t)
-open(os.path.join(sys.argv[1], f"ready{env.rank}"), "w").close()
+open(os.path.join(sys.argv[1], f"ready{dist.get_rank()}"), "w").close()
 deadline = time.monotonic() + 60
 while not os.path.exists(os.path.join(sys.argv[1], "go")) and time.monotonic() < deadline:
     time.sleep(0.05)
@@ -92,16 +93,15 @@ def _start(cmd: list[str], cwd: Path) -> subprocess.Popen:
                             start_new_session=True)
 
 
-def test_launch_static_single_node_listens_on_loopback_only(tmp_path):
-    """`meshrun launch --master-port` (static): the agent's store and gloo on 127.0.0.1.
-
-    c10d, meshrun's default, is the train test's below (the agent's store and rank 0's own).
-    """
+@pytest.mark.parametrize("backend", ["static", "c10d"])
+def test_launch_of_a_plain_script_listens_on_loopback_only(tmp_path, backend):
+    """`meshrun launch` of a script calling init_process_group itself: the agent's store, rank 0's
+    env:// store (c10d: a port of its own; static: the agent's) and gloo, all on 127.0.0.1."""
     from meshrun.launch.ports import free_port
 
     script = tmp_path / "hold.py"
     script.write_text(HOLD)
-    rdzv = ["--master-port", str(free_port())]
+    rdzv = ["--master-port", str(free_port())] if backend == "static" else []
     proc = _start([str(BIN / "meshrun"), "launch", "--nproc-per-node", "2", *rdzv, str(script), str(tmp_path)],
                   tmp_path)
     try:
@@ -116,8 +116,9 @@ def test_launch_static_single_node_listens_on_loopback_only(tmp_path):
     finally:
         kill_tree(proc.pid)
     assert proc.returncode == 0, out
-    # the agent's store and each rank's gloo listener
+    # the agent's store, each rank's gloo listener and (c10d) rank 0's own store
     assert len({pid for pid, _, _ in found}) >= 3, found
+    assert len([f for f in found if f[0] != proc.pid]) >= (3 if backend == "c10d" else 2), found
     assert any(pid == proc.pid for pid, _, _ in found), f"no agent store seen: {found}"
     assert not _not_loopback(found), f"listening beyond loopback: {_not_loopback(found)}"
 

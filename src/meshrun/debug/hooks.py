@@ -13,8 +13,6 @@ with MESHRUN_HANG_TIMEOUT > 0 or MESHRUN_DEBUG set.
 from __future__ import annotations
 
 import atexit
-import importlib.abc
-import importlib.util
 import os
 import sys
 from dataclasses import replace
@@ -24,30 +22,7 @@ from meshrun.debug.collectives import CollectivePatch
 from meshrun.debug.progress import Progress
 from meshrun.debug.settings import MIN_HANG_TIMEOUT_S, DebugSettings, check_collective_timeout
 from meshrun.runtime import process
-
-
-class _AfterImport(importlib.abc.MetaPathFinder):
-    """Calls `then()` right after `torch` (which imports torch.distributed and optim) is imported."""
-
-    def __init__(self, then) -> None:
-        self.then = then
-
-    def find_spec(self, name, path=None, target=None):  # noqa: ANN001 - finder protocol
-        if name != "torch":
-            return None
-        if self in sys.meta_path:
-            sys.meta_path.remove(self)
-        spec = importlib.util.find_spec(name)
-        if spec is None or spec.loader is None:
-            return spec
-        exec_module = spec.loader.exec_module
-
-        def exec_then_install(module):  # noqa: ANN001
-            exec_module(module)
-            self.then()
-
-        spec.loader.exec_module = exec_then_install
-        return spec
+from meshrun.runtime.after_import import AfterImport
 
 
 class DebugHooks:
@@ -58,7 +33,7 @@ class DebugHooks:
         self.progress = progress
         self.collectives: CollectivePatch | None = None
         self.watchdog = None
-        self._finder: _AfterImport | None = None
+        self._finder: AfterImport | None = None
         self._handles: list = []  # torch's RemovableHandles of the global optimizer step hooks
         self._at_exit = False
 
@@ -77,7 +52,7 @@ class DebugHooks:
         if "torch" in sys.modules:
             self.install()
         elif self._finder is None:
-            self._finder = _AfterImport(self.install)
+            self._finder = AfterImport(self.install)
             sys.meta_path.insert(0, self._finder)
             self._exit_with_process()
 

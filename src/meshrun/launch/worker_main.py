@@ -135,6 +135,25 @@ class _DebugWhenTorchImports:
         return importlib.util.find_spec(name)
 
 
+def _hold_rank0_store() -> None:
+    """Rank 0 of a script that calls init_process_group itself: its store on MASTER_ADDR only.
+
+    torch's env:// store listens on every interface; meshrun holds a server on MASTER_ADDR's own
+    address (127.0.0.1 on one node) right after the script imports torch, and torch's store reuses
+    it (meshrun.runtime.store). A script using meshrun.init() gets the same from there.
+    """
+    if os.environ.get("RANK") != "0" or not os.environ.get("MASTER_ADDR") or not os.environ.get("MASTER_PORT"):
+        return
+    from meshrun.runtime.after_import import after_torch_import
+
+    def hold() -> None:
+        from meshrun.runtime.store import hold_rank0_store
+
+        hold_rank0_store()
+
+    after_torch_import(hold)
+
+
 def _install_debug() -> None:
     """Hang watchdog and --debug collectives (meshrun.debug), only when the launcher asked."""
     if os.environ.get("MESHRUN_HANG_TIMEOUT", "0") not in ("0", ""):
@@ -185,6 +204,7 @@ def run(argv: list[str]) -> int:
     faulthandler.enable()  # a segfault or abort still leaves a Python stack in the rank's log
     _die_with_agent()
     _install_debug()
+    _hold_rank0_store()
     try:
         if as_module:
             sys.argv = [target, *args]

@@ -33,6 +33,7 @@ from meshrun.runtime import process
 from meshrun.runtime.device import pick_backend, pick_device
 from meshrun.runtime.env import LaunchEnv, read_launch_env
 from meshrun.runtime.process import DistEnv, Runtime
+from meshrun.runtime.store import rank0_store
 
 __all__ = ["DistEnv", "Runtime", "current", "init", "mark_failed", "print0", "shutdown"]
 
@@ -101,23 +102,6 @@ def _init(
     return runtime
 
 
-def _rank0_store(launch: LaunchEnv):
-    """Rank 0 hosts the job's store (unless the agent's is shared): on MASTER_ADDR only, not on `*`.
-
-    init_process_group's multi-tenant TCPStore on MASTER_PORT reuses the server held here
-    (runtime/store.py); on one node MASTER_ADDR is 127.0.0.1 (meshrun launch passes --local-addr).
-    """
-    import contextlib
-
-    if (launch.rank != 0 or not launch.master_addr or not launch.master_port
-            or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)):
-        return contextlib.nullcontext()
-    from meshrun.runtime.store import hold_server
-
-    return hold_server(launch.master_addr, launch.master_port,
-                       one_node=launch.world_size == launch.local_world_size)
-
-
 def _check_world(world_size: int, min_world_size: int, *, launched: bool) -> None:
     if world_size >= min_world_size:
         return
@@ -134,7 +118,7 @@ def _create_group(backend: str, dev: torch.device, timeout: timedelta | None, la
     if launch.launched:
         # env:// reads MASTER_ADDR/PORT, RANK, WORLD_SIZE (and torchelastic's shared store).
         device_id = None if dev.type == "cpu" else dev
-        with _rank0_store(launch):
+        with rank0_store(launch):
             dist.init_process_group(backend, timeout=timeout, device_id=device_id)
         return
     from meshrun.launch.plain_python import launch_command

@@ -113,3 +113,36 @@ def hold_server(host: str, port: int, *, one_node: bool) -> Iterator[object | No
         yield store
     finally:
         del store
+
+
+def rank0_store(launch):  # noqa: ANN001 - a meshrun.runtime.env.LaunchEnv
+    """Rank 0 hosts the job's store (unless the agent's is shared): on MASTER_ADDR only, not on `*`.
+
+    init_process_group's multi-tenant TCPStore on MASTER_PORT reuses the server held here; on one
+    node MASTER_ADDR is 127.0.0.1 (meshrun launch passes --local-addr). Elsewhere: a null context.
+    """
+    import os
+
+    if (launch.rank != 0 or not launch.master_addr or not launch.master_port
+            or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)):
+        return contextlib.nullcontext()
+    return hold_server(launch.master_addr, launch.master_port,
+                       one_node=launch.world_size == launch.local_world_size)
+
+
+_HELD: list[object] = []  # the process-long rank 0 store of a plain script (hold_rank0_store)
+
+
+def hold_rank0_store() -> None:
+    """For a script that calls `init_process_group` itself: hold rank 0's store on MASTER_ADDR's
+    address for the rest of the process (its env:// TCPStore reuses it). Never raises: a store
+    that cannot be held here leaves torch to bind as it would."""
+    from meshrun.runtime.env import read_launch_env
+
+    try:
+        held = rank0_store(read_launch_env())
+        held.__enter__()
+    except Exception as exc:  # noqa: BLE001 - a launcher variable torch itself will complain about
+        logger.debug("meshrun: rank 0's store not held (%s)", exc)
+        return
+    _HELD.append(held)
