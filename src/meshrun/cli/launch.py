@@ -6,11 +6,11 @@ import signal
 import sys
 
 from meshrun.launch.args import build_parser
-from meshrun.launch.launcher import run_launch
 
 
 def main(argv: list[str]) -> int:
-    args = build_parser().parse_args(argv)
+    args = build_parser().parse_args(argv)  # torch-free: a mistyped option is one line, at once
+    from meshrun.launch.launcher import run_launch  # torch
     from meshrun.launch.torch_elastic import SignalException
 
     try:

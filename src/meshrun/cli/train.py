@@ -15,12 +15,12 @@ import sys
 import time
 from pathlib import Path
 
-from meshrun.config import JobConfig, load_config, save_config
+from meshrun.config import JobConfig, load_config, save_config, set_hint
+from meshrun.config.validate import check_job
 from meshrun.errors import ConfigError
 from meshrun.launch.args import build_parser as build_launch_parser
-from meshrun.launch.launcher import run_plan
-from meshrun.launch.plan import plan_launch
-from meshrun.train.preflight import preflight
+from meshrun.launch.plan import checked_options, plan_launch
+from meshrun.launch.torchrun_flags import OneLineParser
 
 # Launch options that make no sense here: the training target is meshrun's own worker.
 _NOT_FOR_TRAIN = {"-m", "--module", "--no-python", "--no_python", "--run-path", "--run_path"}
@@ -55,7 +55,7 @@ def split_launch_args(argv: list[str]) -> tuple[list[str], list[str]]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="meshrun train",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description=__doc__.split("\n\n")[0],
@@ -109,16 +109,43 @@ def make_run_dir(cfg: JobConfig) -> Path:
     return run_dir
 
 
+def check_unknown_flags(parser: argparse.ArgumentParser, rest: list[str]) -> None:
+    """A flag that is neither train's nor a launch option: one line, with `--set` when it names a
+    config key (`--steps 20` -> did you mean `--set train.steps=20`?)."""
+    own = {flag for action in parser._actions for flag in action.option_strings}
+    for i, token in enumerate(rest):
+        if token == "--":
+            return
+        flag, eq, value = token.partition("=")
+        if not token.startswith("-") or flag in own or token.lstrip("-").replace(".", "").isdigit():
+            continue
+        if not eq:
+            following = rest[i + 1] if i + 1 < len(rest) else None
+            value = following if following is not None and not following.startswith("--") else None
+        hint = set_hint(flag, value)
+        fix = hint or "see `meshrun train --help` (config keys go in --set section.key=value)"
+        raise ConfigError(f"unknown option {flag}; {fix}")
+
+
 def main(argv: list[str]) -> int:
+    # Everything up to check_resume is torch-free: a mistake is one line in a fraction of a
+    # second (benchmarks/reject_time.py), and nothing is created before every check has passed.
     cli_launch, rest = split_launch_args(argv)
-    args = build_parser().parse_args(rest)
+    parser = build_parser()
+    check_unknown_flags(parser, rest)
+    args = parser.parse_args(rest)
     if args.config and not os.path.isfile(args.config):
         raise ConfigError(f"config file {args.config!r} not found; see examples/configs/ for examples")
     overrides = args.overrides + ([f"checkpoint.resume={args.resume}"] if args.resume else [])
     cfg = load_config(args.config, overrides)
     launch_argv = _launch_argv_from_config(cfg, cli_launch) + cli_launch
     launch_args = build_launch_parser().parse_args(launch_argv + ["-m", "meshrun.train.worker"])
-    plan = plan_launch(launch_args)  # before the layout check: SLURM may say there are several nodes
+    options = checked_options(launch_args)  # every flag, SLURM's filled in: may say there are several nodes
+    check_job(cfg, nproc_per_node=options.nproc_per_node, nnodes=options.nnodes)
+    from meshrun.launch.launcher import run_plan  # torch from here on
+    from meshrun.train.preflight import preflight
+
+    plan = plan_launch(launch_args, checked=options)
     preflight(cfg, nproc_per_node=plan.nproc_per_node, nnodes=plan.nnodes)
     from meshrun.checkpoint.verify import check_resume  # torch: imported only once the input parsed
     from meshrun.data.tokenizer import load_tokenizer

@@ -18,10 +18,39 @@ def preflight(cfg: JobConfig, *, nproc_per_node: str, nnodes: str = "1") -> None
 
         load_data_tokens(cfg.data.path, tokenizer)  # missing or corrupt file: DataError
     if cfg.model.factory:
-        from meshrun.models.factory import load_factory
-
-        load_factory(cfg.model.factory)  # does it import? (the model is built on the workers)
+        check_factory_builds(cfg, tokenizer.vocab_size)
     _check_layout(cfg, tokenizer.vocab_size, nproc_per_node, nnodes)
+
+
+def check_factory_builds(cfg: JobConfig, vocab_size: int) -> None:
+    """`model.factory` imports and returns a torch.nn.Module, built as the workers will build it
+    (on the meta device when it can be, so no weights are allocated), before any worker starts.
+    The module was found without running it (config/validate.py); here its code runs, once."""
+    import dataclasses
+
+    import torch
+
+    from meshrun.errors import ModelError
+    from meshrun.models.factory import build_model, load_factory
+
+    load_factory(cfg.model.factory)  # does it import, and name a callable?
+    model_cfg = dataclasses.replace(cfg.model, init_from="")  # weights are the checkpoint checks' job
+    try:
+        with torch.device("meta"):
+            build_model(model_cfg, vocab_size, seed=0)
+        return
+    except ModelError:
+        raise
+    except Exception:  # noqa: BLE001 - it may need real tensors: build it as the workers would
+        pass
+    try:
+        build_model(model_cfg, vocab_size, seed=0)
+    except ModelError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - the user's code: one line, not N tracebacks
+        text = " ".join(str(exc).split())[:160]
+        raise ModelError(f"model.factory={cfg.model.factory!r} failed to build the model "
+                         f"({type(exc).__name__}: {text}); it must return a torch.nn.Module") from None
 
 
 def _check_layout(cfg: JobConfig, vocab_size: int, nproc_per_node: str, nnodes: str) -> None:
