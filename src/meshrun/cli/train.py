@@ -17,7 +17,7 @@ from pathlib import Path
 
 from meshrun.config import JobConfig, load_config, save_config, set_hint
 from meshrun.config.validate import check_job
-from meshrun.errors import ConfigError
+from meshrun.errors import ConfigError, LaunchError
 from meshrun.launch.args import build_parser as build_launch_parser
 from meshrun.launch.plan import checked_options, plan_launch
 from meshrun.launch.torchrun_flags import OneLineParser
@@ -98,8 +98,19 @@ def _launch_argv_from_config(cfg: JobConfig, cli_launch: list[str]) -> list[str]
     argv = []
     for flag, value in pairs:
         if flag not in given and defaults.get(flag) != value:
-            argv += [flag, value]
+            argv.append(f"{flag}={value}")  # one token: a value that starts with '-' stays a value
     return argv
+
+
+def _name_config_key(exc: LaunchError, launch_argv: list[str]) -> LaunchError:
+    """A launch option's error, naming the [launch] key it came from when the config set it."""
+    message = str(exc)
+    for token in launch_argv:
+        flag = token.partition("=")[0]
+        if f"{flag}=" in message or f"{flag} " in message or f"{flag}:" in message:
+            key = "launch." + flag.lstrip("-").replace("-", "_")
+            return LaunchError(f"{key} in the config: {message}")
+    return exc
 
 
 def make_run_dir(cfg: JobConfig) -> Path:
@@ -127,9 +138,10 @@ def check_unknown_flags(parser: argparse.ArgumentParser, rest: list[str]) -> Non
         raise ConfigError(f"unknown option {flag}; {fix}")
 
 
-def main(argv: list[str]) -> int:
-    # Everything up to check_resume is torch-free: a mistake is one line in a fraction of a
-    # second (benchmarks/reject_time.py), and nothing is created before every check has passed.
+def check_train_args(argv: list[str]) -> tuple[JobConfig, argparse.Namespace, argparse.Namespace]:
+    """(config, launch args, checked launch options) of a `meshrun train` command line, every key
+    and flag checked; torch-free and creates nothing, so a mistake is one line in a fraction of a
+    second (benchmarks/reject_time.py). Raises a MeshrunError naming the key or flag."""
     cli_launch, rest = split_launch_args(argv)
     parser = build_parser()
     check_unknown_flags(parser, rest)
@@ -138,10 +150,18 @@ def main(argv: list[str]) -> int:
         raise ConfigError(f"config file {args.config!r} not found; see examples/configs/ for examples")
     overrides = args.overrides + ([f"checkpoint.resume={args.resume}"] if args.resume else [])
     cfg = load_config(args.config, overrides)
-    launch_argv = _launch_argv_from_config(cfg, cli_launch) + cli_launch
-    launch_args = build_launch_parser().parse_args(launch_argv + ["-m", "meshrun.train.worker"])
-    options = checked_options(launch_args)  # every flag, SLURM's filled in: may say there are several nodes
+    from_config = _launch_argv_from_config(cfg, cli_launch)
+    try:
+        launch_args = build_launch_parser().parse_args(from_config + cli_launch + ["-m", "meshrun.train.worker"])
+        options = checked_options(launch_args)  # every flag, SLURM's filled in: may say there are several nodes
+    except LaunchError as exc:
+        raise _name_config_key(exc, from_config) from None
     check_job(cfg, nproc_per_node=options.nproc_per_node, nnodes=options.nnodes)
+    return cfg, launch_args, options
+
+
+def main(argv: list[str]) -> int:
+    cfg, launch_args, options = check_train_args(argv)
     from meshrun.launch.launcher import run_plan  # torch from here on
     from meshrun.train.preflight import preflight
 

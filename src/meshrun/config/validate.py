@@ -93,11 +93,12 @@ def check_memory(cfg: JobConfig, *, nproc_per_node: str, nnodes: str) -> None:
             need = per_rank * local
             how = f"{_gib(need)} ({local} rank(s) x {_gib(per_rank)} by `meshrun plan`'s estimate)"
     if need > available:
-        sizes = ", ".join(f"model.{k}={fmt(getattr(cfg.model, k))}" for k in SIZE_KEYS
-                          if getattr(cfg.model, k) not in (0, "") and (k != "name" or cfg.model.name != "tiny"))
-        shown = sizes or f"model.name={fmt(cfg.model.name)}"
+        sizes = [f"model.{k}={fmt(getattr(cfg.model, k))}" for k in SIZE_KEYS
+                 if getattr(cfg.model, k) not in (0, "") and (k != "name" or cfg.model.name != "tiny")]
+        shown = ", ".join((sizes or [f"model.name={fmt(cfg.model.name)}"])
+                          + [f"train.batch_size={cfg.train.batch_size}", f"data.seq_len={cfg.data.seq_len}"])
         raise ConfigError(f"{shown}: training needs {how} on this node, more than its {_gib(available)}; "
-                          f"use a smaller model (e.g. model.name='tiny'), fewer ranks per node or more nodes")
+                          f"use a smaller model (e.g. model.name='tiny'), batch or sequence, fewer ranks per node or more nodes")
 
 
 def _vocab_size(cfg: JobConfig) -> int | None:

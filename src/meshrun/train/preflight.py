@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 from meshrun.config import JobConfig
+from meshrun.errors import MeshrunError
 from meshrun.parallel.resolve import ModelShape, ParallelOptions, check_options, resolve_layout
 
 
@@ -12,14 +16,27 @@ def preflight(cfg: JobConfig, *, nproc_per_node: str, nnodes: str = "1") -> None
     from meshrun.launch.args import resolve_nproc_per_node
 
     resolve_nproc_per_node(str(nproc_per_node))  # 0 or garbage: a LaunchError naming the flag
-    tokenizer = load_tokenizer(cfg.data.tokenizer)
+    with _naming("data.tokenizer", cfg.data.tokenizer):
+        tokenizer = load_tokenizer(cfg.data.tokenizer)
     if cfg.data.path:
         from meshrun.data.loader import load_data_tokens
 
-        load_data_tokens(cfg.data.path, tokenizer)  # missing or corrupt file: DataError
+        with _naming("data.path", cfg.data.path):
+            load_data_tokens(cfg.data.path, tokenizer)  # missing or corrupt file: DataError
     if cfg.model.factory:
         check_factory_builds(cfg, tokenizer.vocab_size)
     _check_layout(cfg, tokenizer.vocab_size, nproc_per_node, nnodes)
+
+
+@contextlib.contextmanager
+def _naming(key: str, value: str) -> Iterator[None]:
+    """A MeshrunError from reading `value` names the config key it came from."""
+    try:
+        yield
+    except MeshrunError as exc:
+        if key in str(exc):
+            raise
+        raise type(exc)(f"{key}={value!r}: {exc}") from None
 
 
 def check_factory_builds(cfg: JobConfig, vocab_size: int) -> None:
