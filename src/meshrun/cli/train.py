@@ -98,7 +98,7 @@ def _launch_argv_from_config(cfg: JobConfig, cli_launch: list[str]) -> list[str]
     argv = []
     for flag, value in pairs:
         if flag not in given and defaults.get(flag) != value:
-            argv.append(f"{flag}={value}")  # one token: a value that starts with '-' stays a value
+            argv += [flag, value]
     return argv
 
 
@@ -107,6 +107,8 @@ def _name_config_key(exc: LaunchError, launch_argv: list[str]) -> LaunchError:
     message = str(exc)
     for token in launch_argv:
         flag = token.partition("=")[0]
+        if not flag.startswith("--"):
+            continue
         if f"{flag}=" in message or f"{flag} " in message or f"{flag}:" in message:
             key = "launch." + flag.lstrip("-").replace("-", "_")
             return LaunchError(f"{key} in the config: {message}")
@@ -134,6 +136,11 @@ def check_unknown_flags(parser: argparse.ArgumentParser, rest: list[str]) -> Non
             following = rest[i + 1] if i + 1 < len(rest) else None
             value = following if following is not None and not following.startswith("--") else None
         hint = set_hint(flag, value)
+        if hint is None:
+            import difflib
+
+            close = difflib.get_close_matches(flag, sorted(own | set(_launch_options())), n=1, cutoff=0.75)
+            hint = f"did you mean {close[0]}?" if close else None
         fix = hint or "see `meshrun train --help` (config keys go in --set section.key=value)"
         raise ConfigError(f"unknown option {flag}; {fix}")
 

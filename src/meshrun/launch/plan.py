@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -143,6 +142,8 @@ def _rendezvous(options: argparse.Namespace) -> dict[str, object]:
         and options.master_port is None
         and parse_nnodes(options.nnodes)[1] == 1
     ):
+        import uuid  # platform, on import: only a launch that runs needs it
+
         return {"rdzv_backend": "c10d", "rdzv_endpoint": "localhost:0", "rdzv_id": str(uuid.uuid4()),
                 "standalone": False}
     return {}
