@@ -5,7 +5,8 @@
 Each kind of mistake below is run --repeats times as a real `meshrun train` process in a fresh
 temporary directory (which must stay empty), interleaved with `python -c pass` so machine noise
 hits both alike. Prints the median wall time of each, its ratio to `python -c pass`, and whether
-it meets the target (< 0.5 s: the rejection path imports no torch). Every run is bounded by
+it meets the target (< 0.5 s: the rejection path imports no torch). The CPU seconds (user + sys
+of the child) are shown too: on a loaded machine they stay put while wall time swells. Every run is bounded by
 --timeout and killed by pid if it overruns.
 """
 
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import resource
 import shutil
 import signal
 import statistics
@@ -35,7 +37,14 @@ KINDS = {
 }
 
 
-def _run(cmd: list[str], cwd: str, timeout: float) -> tuple[float, int, str]:
+def _cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def _run(cmd: list[str], cwd: str, timeout: float, cpu: list[float] | None = None) -> tuple[float, int, str]:
+    """(wall seconds, exit code, stderr) of one bounded run; its CPU seconds appended to `cpu`."""
+    cpu0 = _cpu()
     start = time.perf_counter()
     proc = subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
@@ -45,7 +54,10 @@ def _run(cmd: list[str], cwd: str, timeout: float) -> tuple[float, int, str]:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.communicate()
         return float("inf"), -1, "timed out"
-    return time.perf_counter() - start, proc.returncode, err
+    took = time.perf_counter() - start
+    if cpu is not None:
+        cpu.append(_cpu() - cpu0)
+    return took, proc.returncode, err
 
 
 def main() -> int:
@@ -56,27 +68,30 @@ def main() -> int:
     repeats = max(1, min(args.repeats, 50))
     meshrun = shutil.which("meshrun", path=os.path.dirname(sys.executable)) or "meshrun"
     baseline: list[float] = []
+    base_cpu: list[float] = []
     times: dict[str, list[float]] = {kind: [] for kind in KINDS}
+    cpus: dict[str, list[float]] = {kind: [] for kind in KINDS}
     bad: list[str] = []
     for _ in range(repeats):
         for kind, argv in KINDS.items():
             with tempfile.TemporaryDirectory(prefix="meshrun-reject-") as cwd:
                 with open(os.path.join(cwd, "a-file"), "w") as fp:
                     fp.write("not a directory")
-                baseline.append(_run([sys.executable, "-c", "pass"], cwd, args.timeout)[0])
-                took, code, err = _run([meshrun, "train", *argv], cwd, args.timeout)
+                baseline.append(_run([sys.executable, "-c", "pass"], cwd, args.timeout, base_cpu)[0])
+                took, code, err = _run([meshrun, "train", *argv], cwd, args.timeout, cpus[kind])
                 times[kind].append(took)
                 lines = err.strip().splitlines()
                 if code != 2 or len(lines) != 1 or sorted(os.listdir(cwd)) != ["a-file"]:
                     bad.append(f"{kind}: exit {code}, {len(lines)} line(s), dir {sorted(os.listdir(cwd))}")
     base = statistics.median(baseline)
-    print(f"{'input':<32} {'median s':>9} {'x python -c pass':>17}  target < {TARGET_S} s")
-    print(f"{'python -c pass':<32} {base:>9.3f} {1.0:>17.1f}")
+    print(f"{'input':<32} {'median s':>9} {'x python -c pass':>17} {'CPU s':>6}  target < {TARGET_S} s")
+    print(f"{'python -c pass':<32} {base:>9.3f} {1.0:>17.1f} {statistics.median(base_cpu):>6.3f}")
     worst = 0.0
     for kind, runs in times.items():
         med = statistics.median(runs)
         worst = max(worst, med)
-        print(f"{kind:<32} {med:>9.3f} {med / base:>17.1f}  {'ok' if med < TARGET_S else 'SLOW'}")
+        cpu = statistics.median(cpus[kind])
+        print(f"{kind:<32} {med:>9.3f} {med / base:>17.1f} {cpu:>6.3f}  {'ok' if med < TARGET_S else 'SLOW'}")
     print(f"slowest median rejection: {worst:.3f} s ({repeats} run(s) per kind); "
           f"{'meets' if worst < TARGET_S else 'misses'} the {TARGET_S} s target")
     for line in bad:
