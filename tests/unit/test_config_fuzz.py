@@ -209,3 +209,10 @@ def test_model_size_beyond_this_machine_names_the_planner_estimate(fuzz_dir):
     assert "more than its" in str(info.value)
     cfg, _, _ = check_train_args(["--nproc-per-node", "2"])  # the default fits
     assert dataclasses.asdict(cfg)["model"]["name"] == "tiny"
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "1e308"])
+def test_a_hang_timeout_from_the_environment_is_checked_too(fuzz_dir, monkeypatch, value):
+    monkeypatch.setenv("MESHRUN_HANG_TIMEOUT", value)
+    with pytest.raises(MeshrunError, match=r"\$MESHRUN_HANG_TIMEOUT .*finite"):
+        check_train_args([])

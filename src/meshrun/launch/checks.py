@@ -15,7 +15,9 @@ import re
 import signal
 import socket
 import threading
+from collections.abc import Mapping
 
+from meshrun.debug.settings import HANG_TIMEOUT_ENV
 from meshrun.errors import LaunchError
 from meshrun.launch.args import MAX_NPROC_PER_NODE, check_nproc_per_node, parse_nnodes
 from meshrun.writable import check_creatable_dir
@@ -51,7 +53,7 @@ def check_port(port: object, flag: str, *, zero_ok: bool = False) -> int:
     return port
 
 
-def check_launch_options(options: argparse.Namespace) -> None:
+def check_launch_options(options: argparse.Namespace, environ: Mapping[str, str] | None = None) -> None:
     """Raise one LaunchError line for the first option that cannot work (see the module doc)."""
     check_nproc_per_node(str(options.nproc_per_node))
     low, high = parse_nnodes(options.nnodes)
@@ -64,6 +66,8 @@ def check_launch_options(options: argparse.Namespace) -> None:
     hang = getattr(options, "hang_timeout", None)
     if hang is not None:
         finite_seconds(hang, "--hang-timeout", example="300 (0 turns the watchdog off)")
+    elif (environ or {}).get(HANG_TIMEOUT_ENV, "").strip():
+        finite_seconds(environ[HANG_TIMEOUT_ENV], f"${HANG_TIMEOUT_ENV}", example="300")
     _check_endpoint_reachable(options, high)
 
 

@@ -91,7 +91,7 @@ def checked_options(args: argparse.Namespace, environ: Mapping[str, str] | None 
 
         vars(options).update(slurm_options(options, job))
     parse_nnodes(options.nnodes)  # N or MIN:MAX, else one LaunchError naming the flag
-    check_launch_options(options)
+    check_launch_options(options, environ)
     options.slurm_job = job
     return options
 
