@@ -135,7 +135,7 @@ def test_every_key_and_flag_is_accepted_or_refused_in_one_line(fuzz_dir, case):
     argv, names = _argv(case, fuzz_dir)
     before = _tree(fuzz_dir)
     try:
-        cfg, launch_args, options = check_train_args(argv)
+        _, cfg, launch_args, options = check_train_args(argv)
         # what `meshrun train` checks next, with torch, still before any directory or worker
         plan = plan_launch(launch_args, checked=options)
         preflight(cfg, nproc_per_node=plan.nproc_per_node, nnodes=plan.nnodes)
@@ -207,7 +207,7 @@ def test_model_size_beyond_this_machine_names_the_planner_estimate(fuzz_dir):
     with pytest.raises(MeshrunError, match=r"model\.dim=1000000000, .*: training needs .* GiB") as info:
         check_train_args(["--set", "model.dim=1000000000", "--nproc-per-node", "2"])
     assert "more than its" in str(info.value)
-    cfg, _, _ = check_train_args(["--nproc-per-node", "2"])  # the default fits
+    _, cfg, _, _ = check_train_args(["--nproc-per-node", "2"])  # the default fits
     assert dataclasses.asdict(cfg)["model"]["name"] == "tiny"
 
 

@@ -145,8 +145,8 @@ def check_unknown_flags(parser: argparse.ArgumentParser, rest: list[str]) -> Non
         raise ConfigError(f"unknown option {flag}; {fix}")
 
 
-def check_train_args(argv: list[str]) -> tuple[JobConfig, argparse.Namespace, argparse.Namespace]:
-    """(config, launch args, checked launch options) of a `meshrun train` command line, every key
+def check_train_args(argv: list[str]) -> tuple[argparse.Namespace, JobConfig, argparse.Namespace, argparse.Namespace]:
+    """(train's args, config, launch args, checked launch options) of a `meshrun train` command line, every key
     and flag checked; torch-free and creates nothing, so a mistake is one line in a fraction of a
     second (benchmarks/reject_time.py). Raises a MeshrunError naming the key or flag."""
     cli_launch, rest = split_launch_args(argv)
@@ -164,11 +164,11 @@ def check_train_args(argv: list[str]) -> tuple[JobConfig, argparse.Namespace, ar
     except LaunchError as exc:
         raise _name_config_key(exc, from_config) from None
     check_job(cfg, nproc_per_node=options.nproc_per_node, nnodes=options.nnodes)
-    return cfg, launch_args, options
+    return args, cfg, launch_args, options
 
 
 def main(argv: list[str]) -> int:
-    cfg, launch_args, options = check_train_args(argv)
+    args, cfg, launch_args, options = check_train_args(argv)
     from meshrun.launch.launcher import run_plan  # torch from here on
     from meshrun.train.preflight import preflight
 
