@@ -4,7 +4,7 @@ Each case is a `meshrun train` command line: 1-3 config keys set to hostile or m
 (through --set, or a TOML file), plus 0-2 launch flags. `check_train_args` (what `meshrun train`
 runs before torch), then the launch plan and the preflight (with torch), must either accept it or raise one MeshrunError line that names a key or
 flag of the case, and must create no file or directory. Any other exception is a traceback a
-user would have seen. The example count is bounded (MESHRUN_FUZZ_EXAMPLES, default 250) so this
+user would have seen. The example count is bounded (MESHRUN_FUZZ_EXAMPLES, default 200) so this
 stays a few seconds; run with `-s` for the figures (cases tried, tracebacks).
 """
 
@@ -28,7 +28,7 @@ from meshrun.launch.args import build_parser as build_launch_parser
 from meshrun.launch.plan import checked_options, plan_launch
 from meshrun.train.preflight import preflight
 
-EXAMPLES = env_int("MESHRUN_FUZZ_EXAMPLES", 250)
+EXAMPLES = env_int("MESHRUN_FUZZ_EXAMPLES", 200)
 NOT_FOR_TRAIN = {"-h", "--help", "-m", "--module", "--no-python", "--no_python", "--run-path", "--run_path"}
 
 INTS = [0, 1, -1, 2, 3, 4, 8, 64, 4096, 2**31, 2**63 - 1, 2**63, 2**64, -(2**63), 10**30, 10**9]
