@@ -216,3 +216,17 @@ def test_a_hang_timeout_from_the_environment_is_checked_too(fuzz_dir, monkeypatc
     monkeypatch.setenv("MESHRUN_HANG_TIMEOUT", value)
     with pytest.raises(MeshrunError, match=r"\$MESHRUN_HANG_TIMEOUT .*finite"):
         check_train_args([])
+
+
+@pytest.mark.parametrize(("source", "expected"), [
+    ("def build():\n    return 42\n", "returned int, not a torch.nn.Module"),
+    ("def build(model_cfg, vocab_size):\n    raise RuntimeError('boom')\n", r"failed to build the model \(RuntimeError: boom\)"),
+])
+def test_a_factory_must_build_an_nn_module_before_workers_start(fuzz_dir, monkeypatch, source, expected):
+    module = f"fuzzmodels_{abs(hash(source))}"  # a fresh module per case (sys.modules caches imports)
+    (fuzz_dir / f"{module}.py").write_text(source)
+    monkeypatch.syspath_prepend(str(fuzz_dir))
+    _, cfg, launch_args, options = check_train_args(["--set", f"model.factory={module}:build"])
+    plan = plan_launch(launch_args, checked=options)
+    with pytest.raises(MeshrunError, match=expected):
+        preflight(cfg, nproc_per_node=plan.nproc_per_node, nnodes=plan.nnodes)

@@ -36,7 +36,11 @@ def _naming(key: str, value: str) -> Iterator[None]:
     except MeshrunError as exc:
         if key in str(exc):
             raise
-        raise type(exc)(f"{key}={value!r}: {exc}") from None
+        try:
+            named = type(exc)(f"{key}={value!r}: {exc}")
+        except TypeError:  # a subclass with another constructor: the base class says it as well
+            named = MeshrunError(f"{key}={value!r}: {exc}")
+        raise named from None
 
 
 def check_factory_builds(cfg: JobConfig, vocab_size: int) -> None:
