@@ -18,13 +18,13 @@ import sys
 import time
 from pathlib import Path
 
-from meshrun.config import JobConfig, load_config, save_config
-from meshrun.errors import ConfigError
+from meshrun.config import JobConfig, load_config, save_config, set_hint
+from meshrun.config.validate import check_job
+from meshrun.errors import ConfigError, LaunchError
 from meshrun.launch.args import build_parser as build_launch_parser
 from meshrun.launch.args import parse_nnodes
-from meshrun.launch.launcher import run_plan
-from meshrun.launch.plan import plan_launch
-from meshrun.train.preflight import preflight
+from meshrun.launch.plan import checked_options, plan_launch
+from meshrun.launch.torchrun_flags import OneLineParser
 
 # Launch options that make no sense here: the training target is meshrun's own worker.
 _NOT_FOR_TRAIN = {"-m", "--module", "--no-python", "--no_python", "--run-path", "--run_path"}
@@ -59,7 +59,7 @@ def split_launch_args(argv: list[str]) -> tuple[list[str], list[str]]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="meshrun train",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description=__doc__.split("\n\n")[0],
@@ -114,6 +114,19 @@ def _launch_argv_from_config(cfg: JobConfig, cli_launch: list[str]) -> list[str]
     return argv
 
 
+def _name_config_key(exc: LaunchError, launch_argv: list[str]) -> LaunchError:
+    """A launch option's error, naming the [launch] key it came from when the config set it."""
+    message = str(exc)
+    for token in launch_argv:
+        flag = token.partition("=")[0]
+        if not flag.startswith("--"):
+            continue
+        if f"{flag}=" in message or f"{flag} " in message or f"{flag}:" in message:
+            key = "launch." + flag.lstrip("-").replace("-", "_")
+            return LaunchError(f"{key} in the config: {message}")
+    return exc
+
+
 def claim_run_dir(cfg: JobConfig, job: str | None):
     """(run directory, its held RunLock): train.name's, the unfinished run an unnamed run continues,
     or a new timestamped one (created exclusively: two unnamed runs in one second get two).
@@ -138,16 +151,57 @@ def claim_run_dir(cfg: JobConfig, job: str | None):
     return run_dir, RunLock.acquire(run_dir, job)
 
 
-def main(argv: list[str]) -> int:
+def check_unknown_flags(parser: argparse.ArgumentParser, rest: list[str]) -> None:
+    """A flag that is neither train's nor a launch option: one line, with `--set` when it names a
+    config key (`--steps 20` -> did you mean `--set train.steps=20`?)."""
+    own = {flag for action in parser._actions for flag in action.option_strings}
+    for i, token in enumerate(rest):
+        if token == "--":
+            return
+        flag, eq, value = token.partition("=")
+        if not token.startswith("-") or flag in own or token.lstrip("-").replace(".", "").isdigit():
+            continue
+        if not eq:
+            following = rest[i + 1] if i + 1 < len(rest) else None
+            value = following if following is not None and not following.startswith("--") else None
+        hint = set_hint(flag, value)
+        if hint is None:
+            import difflib
+
+            close = difflib.get_close_matches(flag, sorted(own | set(_launch_options())), n=1, cutoff=0.75)
+            hint = f"did you mean {close[0]}?" if close else None
+        fix = hint or "see `meshrun train --help` (config keys go in --set section.key=value)"
+        raise ConfigError(f"unknown option {flag}; {fix}")
+
+
+def check_train_args(argv: list[str]) -> tuple[argparse.Namespace, JobConfig, argparse.Namespace, argparse.Namespace]:
+    """(train's args, config, launch args, checked launch options) of a `meshrun train` command line, every key
+    and flag checked; torch-free and creates nothing, so a mistake is one line in a fraction of a
+    second (benchmarks/reject_time.py). Raises a MeshrunError naming the key or flag."""
     cli_launch, rest = split_launch_args(argv)
-    args = build_parser().parse_args(rest)
+    parser = build_parser()
+    check_unknown_flags(parser, rest)
+    args = parser.parse_args(rest)
     if args.config and not os.path.isfile(args.config):
         raise ConfigError(f"config file {args.config!r} not found; see examples/configs/ for examples")
     overrides = args.overrides + ([f"checkpoint.resume={args.resume}"] if args.resume else [])
     cfg = load_config(args.config, overrides)
-    launch_argv = _launch_argv_from_config(cfg, cli_launch) + cli_launch
-    launch_args = build_launch_parser().parse_args(launch_argv + ["-m", "meshrun.train.worker"])
-    plan = plan_launch(launch_args)  # before the layout check: SLURM may say there are several nodes
+    from_config = _launch_argv_from_config(cfg, cli_launch)
+    try:
+        launch_args = build_launch_parser().parse_args(from_config + cli_launch + ["-m", "meshrun.train.worker"])
+        options = checked_options(launch_args)  # every flag, SLURM's filled in: may say there are several nodes
+    except LaunchError as exc:
+        raise _name_config_key(exc, from_config) from None
+    check_job(cfg, nproc_per_node=options.nproc_per_node, nnodes=options.nnodes)
+    return args, cfg, launch_args, options
+
+
+def main(argv: list[str]) -> int:
+    args, cfg, launch_args, options = check_train_args(argv)
+    from meshrun.launch.launcher import run_plan  # torch from here on
+    from meshrun.train.preflight import preflight
+
+    plan = plan_launch(launch_args, checked=options)
     preflight(cfg, nproc_per_node=plan.nproc_per_node, nnodes=plan.nnodes)
     from meshrun.checkpoint.verify import (  # torch: only once the input parsed
         check_init_from,

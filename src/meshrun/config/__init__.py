@@ -20,6 +20,7 @@ from meshrun.config.loader import (
     load_config,
     parse_override,
     read_toml,
+    set_hint,
     suggest_key,
 )
 from meshrun.config.sections import (
@@ -56,6 +57,7 @@ __all__ = [
     "parse_override",
     "read_toml",
     "save_config",
+    "set_hint",
     "suggest_key",
     "to_toml",
 ]

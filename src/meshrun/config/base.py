@@ -13,6 +13,7 @@ from meshrun.errors import ConfigError
 
 TRUE_WORDS = frozenset({"true", "yes", "on", "1"})
 FALSE_WORDS = frozenset({"false", "no", "off", "0"})
+INT_MAX = 2**63 - 1  # every int key fits int64: what torch tensors, seeds and JSON readers hold
 AUTO = "auto"  # how TOML and --set spell None ("the default decides") for an optional field
 EXPECTED = {
     bool: "true or false",
@@ -31,13 +32,15 @@ def doc_field(default: Any, doc: str, *, int_ok: bool = False) -> Any:
 
 
 def fmt(value: Any) -> str:
-    """A value as an error message or TOML reader would spell it, always on one line."""
+    """A value as an error message or TOML reader would spell it, always on one short line."""
     if isinstance(value, bool):
         return "true" if value else "false"
-    if isinstance(value, str):
-        return repr(value)
     if isinstance(value, dict):
         return "a table"
+    if isinstance(value, (list, tuple)):
+        return f"an array of {len(value)} item(s)"  # not repr: a deeply nested one would recurse
+    if isinstance(value, int) and value.bit_length() > 200:
+        return f"an integer of {value.bit_length()} bits"  # repr of a huge int is slow, or refused
     text = repr(value).replace("\n", " ")
     return text if len(text) <= 60 else text[:57] + "..."
 
@@ -106,12 +109,16 @@ def coerce(value: Any, hint: Any, key: str, *, int_ok: bool = False) -> Any:
     if typ is bool and isinstance(value, bool):
         return value
     if typ is int and is_int:
+        if abs(value) > INT_MAX:
+            raise ConfigError(f"{key} must fit in 64 bits (|value| <= {INT_MAX}), got {fmt(value)}")
         return value
     if typ is float and (is_int or isinstance(value, float)):
         if not math.isfinite(value):
             raise ConfigError(f"{key} must be a finite number, got {fmt(value)}")
         return float(value)
     if typ is str and (isinstance(value, str) or (int_ok and is_int)):
+        if "\x00" in str(value):
+            raise ConfigError(f"{key} must not contain a NUL byte, got {fmt(value)}")
         return str(value)
     quoted = ""
     if isinstance(value, str) and typ is not str:

@@ -136,12 +136,17 @@ def read_toml(path: str | os.PathLike[str]) -> dict[str, Any]:
         raise ConfigError(f"cannot read config file {shown!r}: {exc.strerror or exc}") from None
     except UnicodeDecodeError as exc:
         raise ConfigError(f"{shown}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    except RecursionError:
+        raise ConfigError(f"{shown}: nested too deeply to read (arrays or inline tables inside "
+                          f"each other); meshrun configs are flat [section] tables of key = value") from None
     except tomllib.TOMLDecodeError as exc:
         msg = " ".join(str(exc).split())
         m = _TOML_AT.search(msg)
         where = f"{shown}:{m[1]}:{m[2]}" if m else shown
         msg = _TOML_AT.sub("", msg)
         raise ConfigError(f"{where}: invalid TOML: {msg}") from None
+    except ValueError as exc:  # not a TOMLDecodeError: e.g. an integer past Python's digit limit
+        raise ConfigError(f"{shown}: invalid TOML: {' '.join(str(exc).split())[:120]}") from None
 
 
 def load_config(path: str | os.PathLike[str] | None = None, overrides: Iterable[str] = ()) -> JobConfig:
@@ -153,3 +158,23 @@ def load_config(path: str | os.PathLike[str] | None = None, overrides: Iterable[
     source = os.fspath(path) if path is not None else ""
     _check_keys(data, f" in {source}" if source else "")
     return config_from_dict(merge_overrides(data, overrides), source=source)
+
+
+def set_hint(flag: str, value: str | None = None) -> str | None:
+    """`--steps 20` -> "did you mean `--set train.steps=20`?" for a flag that names a config key
+    (`--lr`, `--tp`, `--train.steps`, `--batch-size`); None when it names none."""
+    name = flag.lstrip("-").replace("-", "_")
+    if not name:
+        return None
+    if "." in name:
+        keys = [name] if name in all_keys() else [k for k in [suggest_key(name)] if k]
+    else:
+        keys = [k for k in all_keys() if k.rpartition(".")[2] == name]
+        if not keys:
+            by_name = {k.rpartition(".")[2]: k for k in reversed(all_keys())}  # first section wins
+            keys = [by_name[c] for c in difflib.get_close_matches(name, list(by_name), n=1, cutoff=0.8)]
+    if not keys:
+        return None
+    shown = value if value is not None else "VALUE"
+    options = " or ".join(f"`--set {key}={shown}`" for key in keys)
+    return f"did you mean {options}?"

@@ -59,6 +59,15 @@ class TokenWindowDataset(Dataset):
         return chunk[:-1], chunk[1:]
 
 
+def effective_val_fraction(data_cfg: Any, prepared_val: float | None) -> float:
+    """data.val_fraction, unless `meshrun data prepare` recorded one for the token directory."""
+    val_fraction = float(data_cfg.val_fraction)
+    if prepared_val is not None and prepared_val != val_fraction:
+        log.info("data: using the val_fraction %s recorded by `meshrun data prepare`, not "
+                 "data.val_fraction=%s", prepared_val, val_fraction)
+    return val_fraction if prepared_val is None else prepared_val
+
+
 def split_tokens(tokens: torch.Tensor, val_fraction: float, *,
                  seq_len: int) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Contiguous split: train = the head, val = the held-out tail of `val_fraction` of the tokens."""
@@ -217,12 +226,7 @@ def build_loaders(data_cfg: Any, *, seq_len: int | None = None, batch_size: int,
         raise DataError(f"data.tokenizer {tokenizer.spec!r} has vocab_size {tokenizer.vocab_size}, "
                         f"larger than the model's vocab_size {vocab_size}; raise the model's vocab_size")
     tokens, prepared_val = load_data_tokens(data_cfg.path, tokenizer, vocab_size=vocab_size)
-    val_fraction = float(data_cfg.val_fraction)
-    if prepared_val is not None:
-        if prepared_val != val_fraction:
-            log.info("data: using the val_fraction %s recorded by `meshrun data prepare`, not "
-                     "data.val_fraction=%s", prepared_val, val_fraction)
-        val_fraction = prepared_val
+    val_fraction = effective_val_fraction(data_cfg, prepared_val)
     train_tokens, val_tokens = split_tokens(tokens, val_fraction, seq_len=seq_len)
 
     train_ds = TokenWindowDataset(train_tokens, seq_len)

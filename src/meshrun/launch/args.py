@@ -38,6 +38,8 @@ scripts may call meshrun.init() to pick the device and backend for them.
 # Most CPU runs gain nothing past a few gloo processes, and each one holds a full model copy.
 MAX_AUTO_CPU_PROCS = 4
 NPROC_KEYWORDS = ("cpu", "gpu", "xpu")  # torchrun's own spellings for "one per device of that kind"
+MAX_NPROC_PER_NODE = 4096  # more worker processes than any node runs: a typo, not a plan
+MAX_NNODES = 1_000_000
 
 
 def auto_nproc_per_node(*, import_torch: bool = True) -> int:
@@ -70,16 +72,23 @@ def usable_cpus() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
-def resolve_nproc_per_node(value: str) -> str:
-    """`auto` is meshrun's (see auto_nproc_per_node); anything else means what it means to torchrun."""
+def check_nproc_per_node(value: str) -> str:
+    """`--nproc-per-node` as given: 'auto', a number 1-MAX_NPROC_PER_NODE, or cpu/gpu/xpu (no torch)."""
     value = str(value).strip()
-    if value == "auto":
-        return str(auto_nproc_per_node())
-    if value.lstrip("-").isdigit() and int(value) < 1:
-        raise LaunchError(f"--nproc-per-node {value}: must be 'auto' or >= 1 (e.g. --nproc-per-node 2)")
-    if not value.isdigit() and value not in NPROC_KEYWORDS:
+    if value == "auto" or value in NPROC_KEYWORDS:
+        return value
+    if value.lstrip("-").isdigit() and not 1 <= int(value) <= MAX_NPROC_PER_NODE:
+        raise LaunchError(f"--nproc-per-node {value}: must be 'auto' or 1-{MAX_NPROC_PER_NODE} "
+                          f"(e.g. --nproc-per-node 2)")
+    if not value.isdigit():
         raise LaunchError(f"--nproc-per-node {value!r}: expected 'auto', a number >= 1, or cpu/gpu/xpu")
     return value
+
+
+def resolve_nproc_per_node(value: str) -> str:
+    """`auto` is meshrun's (see auto_nproc_per_node); anything else means what it means to torchrun."""
+    value = check_nproc_per_node(value)
+    return str(auto_nproc_per_node()) if value == "auto" else value
 
 
 def parse_nnodes(text: str | int) -> tuple[int, int]:
@@ -88,7 +97,7 @@ def parse_nnodes(text: str | int) -> tuple[int, int]:
     low, sep, high = raw.partition(":")
     if not sep:
         high = low
-    if not (low.isdigit() and high.isdigit()) or ":" in high or not 0 < int(low) <= int(high):
+    if not (low.isdigit() and high.isdigit()) or ":" in high or not 0 < int(low) <= int(high) <= MAX_NNODES:
         raise LaunchError(f"--nnodes={raw!r} must be N or MIN:MAX with 1 <= MIN <= MAX, "
                           f"e.g. --nnodes 2 or --nnodes 1:4")
     return int(low), int(high)
@@ -102,7 +111,9 @@ def fixed_nnodes(text: str | int) -> int | None:
 
 def build_parser(prog: str = "meshrun launch") -> argparse.ArgumentParser:
     """torchrun's own parser, re-labelled, with meshrun's defaults and options added."""
-    from meshrun.launch.torch_elastic import torchrun_parser
+    from meshrun.launch.torchrun_flags import (
+        torchrun_parser,  # torch's flags, without importing torch
+    )
 
     parser = torchrun_parser()
     parser.prog = prog

@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -80,20 +79,36 @@ class LaunchPlan:
         return options
 
 
-def plan_launch(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> LaunchPlan:
-    """Resolve a parsed `meshrun launch` namespace into a LaunchPlan; `args` is left as it was.
+def checked_options(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> argparse.Namespace:
+    """A copy of the parsed options with SLURM's filled in, every option checked (checks.py);
+    torch-free and changes nothing, so a mistake is one line before anything starts."""
+    from meshrun.launch.checks import check_launch_options
 
-    Raises LaunchError for options that cannot work (bad --nnodes or --nproc-per-node, bad timeouts).
-    """
     environ = dict(os.environ if environ is None else environ)
     options = argparse.Namespace(**vars(args))
-    options.nproc_per_node = resolve_nproc_per_node(options.nproc_per_node)
     job = _slurm(environ)
     if job is not None:
         from meshrun.launch.slurm import slurm_options
 
         vars(options).update(slurm_options(options, job))
     parse_nnodes(options.nnodes)  # N or MIN:MAX, else one LaunchError naming the flag
+    check_launch_options(options, environ)
+    options.slurm_job = job
+    return options
+
+
+def plan_launch(args: argparse.Namespace, environ: Mapping[str, str] | None = None, *,
+                checked: argparse.Namespace | None = None) -> LaunchPlan:
+    """Resolve a parsed `meshrun launch` namespace into a LaunchPlan; `args` is left as it was.
+
+    Raises LaunchError for options that cannot work (bad --nnodes or --nproc-per-node, bad timeouts).
+    `checked`: what checked_options(args, environ) already returned (not checked twice).
+    """
+    environ = dict(os.environ if environ is None else environ)
+    options = argparse.Namespace(**vars(checked if checked is not None else checked_options(args, environ)))
+    job = options.slurm_job
+    del options.slurm_job
+    options.nproc_per_node = resolve_nproc_per_node(options.nproc_per_node)  # 'auto' asks torch
     vars(options).update(_rendezvous(options))
     env: dict[str, str] = {}
     network = _network(options)
@@ -128,6 +143,8 @@ def _rendezvous(options: argparse.Namespace) -> dict[str, object]:
         and options.master_port is None
         and parse_nnodes(options.nnodes)[1] == 1
     ):
+        import uuid  # platform, on import: only a launch that runs needs it
+
         return {"rdzv_backend": "c10d", "rdzv_endpoint": "localhost:0", "rdzv_id": str(uuid.uuid4()),
                 "standalone": False}
     return {}

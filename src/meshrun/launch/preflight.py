@@ -80,11 +80,27 @@ def _check_static(options: argparse.Namespace) -> None:
             "--master-addr is empty: is $MASTER_ADDR empty? set it to node 0's address "
             "(e.g. export MASTER_ADDR=10.0.0.1) on every node"
         )
-    port = getattr(options, "master_port", None)
-    if port is not None and options.node_rank == 0 and not options.rdzv_endpoint and _bound_here(port):
+    check_static_port(options)
+
+
+def check_static_port(options: argparse.Namespace) -> None:
+    """Node 0 of a static rendezvous hosts the store on --master-port (or the static
+    --rdzv-endpoint's port): a port already bound on this host is one line, not EADDRINUSE
+    from inside the agent."""
+    if options.node_rank != 0:
+        return
+    if options.rdzv_endpoint:
+        host, port = parse_endpoint(options.rdzv_endpoint)
+        flag, fix = "--rdzv-endpoint", f"--rdzv-endpoint {host}:{port + 1 if port < 65535 else 29500}"
+        if not is_local_host(host):
+            return
+    else:
+        port, flag = getattr(options, "master_port", None), "--master-port"
+        fix = f"--master-port {port + 1 if port and port < 65535 else 29500}"
+    if port and _bound_here(port):
         raise LaunchError(
-            f"--master-port: {describe_busy_port(port)}; choose another "
-            f"(e.g. --master-port {port + 1}) or leave it out and meshrun picks a free one"
+            f"{flag}: {describe_busy_port(port)}; choose another "
+            f"(e.g. {fix}) or leave it out and meshrun picks a free one"
         )
 
 

@@ -14,25 +14,10 @@ import torch
 from torch import nn
 
 from meshrun.errors import ModelError
-from meshrun.models.args import ModelArgs
+from meshrun.models.from_config import ARG_FIELDS, model_args_from_config  # noqa: F401 - re-exported
 from meshrun.models.llama import Transformer
-from meshrun.models.sizes import DEFAULT_SIZE, size_spec
 
 logger = logging.getLogger(__name__)
-
-ARG_FIELDS = (
-    "vocab_size",
-    "dim",
-    "n_layers",
-    "n_heads",
-    "n_kv_heads",
-    "ffn_hidden",
-    "max_seq_len",
-    "tie_embeddings",
-    "rope_theta",
-    "norm_eps",
-)
-
 
 @runtime_checkable
 class ModelProtocol(Protocol):
@@ -58,33 +43,6 @@ class ModelProtocol(Protocol):
     """
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor: ...
-
-
-def model_args_from_config(model_cfg: Any, vocab_size: int | None = None) -> ModelArgs:
-    """ModelArgs for the built-in decoder: the named size, with the config's non-empty fields on top.
-
-    A field that is 0, None or "" takes the size's value (``tie_embeddings``: only None does, a
-    bool is always explicit). ``vocab_size`` 0 takes the tokenizer's ``vocab_size`` argument.
-    """
-    name = getattr(model_cfg, "name", None) or DEFAULT_SIZE
-    spec = size_spec(name)
-    for field in ARG_FIELDS:
-        value = getattr(model_cfg, field, None)
-        if field == "tie_embeddings":
-            if value is not None:
-                spec[field] = value
-        elif value not in (0, None, ""):
-            spec[field] = value
-    cfg_vocab = getattr(model_cfg, "vocab_size", None)
-    if vocab_size:
-        if not cfg_vocab:
-            spec["vocab_size"] = vocab_size
-        elif cfg_vocab < vocab_size:
-            raise ModelError(
-                f"model.vocab_size={cfg_vocab} is smaller than the tokenizer's vocabulary "
-                f"({vocab_size} ids); set model.vocab_size=0 to use the tokenizer's size"
-            )
-    return ModelArgs(**spec)
 
 
 def build_model(

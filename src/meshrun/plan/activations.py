@@ -29,7 +29,7 @@ layout of tests/e2e/test_parallel_matrix.py.
 
 from __future__ import annotations
 
-from meshrun.models.llama import ModelArgs
+from meshrun.models.args import ModelArgs
 from meshrun.parallel.dims import ParallelDims
 from meshrun.parallel.rules import DTYPE_NAMES, check_choice, default_stages_per_rank
 from meshrun.plan.show import stage_of_block

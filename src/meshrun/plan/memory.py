@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from math import prod
 
 from meshrun.errors import ConfigError
-from meshrun.models.llama import ModelArgs
+from meshrun.models.args import ModelArgs
 from meshrun.parallel.dims import ParallelDims
 from meshrun.parallel.rules import check_world_size, divisors, model_fits
 from meshrun.plan.activations import activation_bytes, dtype_bytes

@@ -24,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from math import prod
 
-from meshrun.models.llama import ModelArgs
+from meshrun.models.args import ModelArgs
 from meshrun.parallel.dims import MESH_AXES, ParallelDims
 
 COLWISE = ("attention.wq", "attention.wk", "attention.wv", "feed_forward.w1", "feed_forward.w3")

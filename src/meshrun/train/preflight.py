@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 from meshrun.config import JobConfig
+from meshrun.errors import MeshrunError
 from meshrun.parallel.resolve import ModelShape, ParallelOptions, check_options, resolve_layout
 
 
@@ -12,16 +16,64 @@ def preflight(cfg: JobConfig, *, nproc_per_node: str, nnodes: str = "1") -> None
     from meshrun.launch.args import resolve_nproc_per_node
 
     resolve_nproc_per_node(str(nproc_per_node))  # 0 or garbage: a LaunchError naming the flag
-    tokenizer = load_tokenizer(cfg.data.tokenizer)
+    with _naming("data.tokenizer", cfg.data.tokenizer):
+        tokenizer = load_tokenizer(cfg.data.tokenizer)
     if cfg.data.path:
-        from meshrun.data.loader import load_data_tokens
+        from meshrun.data.loader import effective_val_fraction, load_data_tokens
+        from meshrun.data.split import split_sizes
 
-        load_data_tokens(cfg.data.path, tokenizer)  # missing or corrupt file: DataError
+        with _naming("data.path", cfg.data.path):
+            tokens, prepared_val = load_data_tokens(cfg.data.path, tokenizer)  # missing or corrupt: DataError
+            split_sizes(len(tokens), effective_val_fraction(cfg.data, prepared_val), cfg.data.seq_len)  # too small
     if cfg.model.factory:
-        from meshrun.models.factory import load_factory
-
-        load_factory(cfg.model.factory)  # does it import? (the model is built on the workers)
+        check_factory_builds(cfg, tokenizer.vocab_size)
     _check_layout(cfg, tokenizer.vocab_size, nproc_per_node, nnodes)
+
+
+@contextlib.contextmanager
+def _naming(key: str, value: str) -> Iterator[None]:
+    """A MeshrunError from reading `value` names the config key it came from."""
+    try:
+        yield
+    except MeshrunError as exc:
+        if key in str(exc):
+            raise
+        try:
+            named = type(exc)(f"{key}={value!r}: {exc}")
+        except TypeError:  # a subclass with another constructor: the base class says it as well
+            named = MeshrunError(f"{key}={value!r}: {exc}")
+        raise named from None
+
+
+def check_factory_builds(cfg: JobConfig, vocab_size: int) -> None:
+    """`model.factory` imports and returns a torch.nn.Module, built as the workers will build it
+    (on the meta device when it can be, so no weights are allocated), before any worker starts.
+    The module was found without running it (config/validate.py); here its code runs, once."""
+    import dataclasses
+
+    import torch
+
+    from meshrun.errors import ModelError
+    from meshrun.models.factory import build_model, load_factory
+
+    load_factory(cfg.model.factory)  # does it import, and name a callable?
+    model_cfg = dataclasses.replace(cfg.model, init_from="")  # weights are the checkpoint checks' job
+    try:
+        with torch.device("meta"):
+            build_model(model_cfg, vocab_size, seed=0)
+        return
+    except ModelError:
+        raise
+    except Exception:  # noqa: BLE001 - it may need real tensors: build it as the workers would
+        pass
+    try:
+        build_model(model_cfg, vocab_size, seed=0)
+    except ModelError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - the user's code: one line, not N tracebacks
+        text = " ".join(str(exc).split())[:160]
+        raise ModelError(f"model.factory={cfg.model.factory!r} failed to build the model "
+                         f"({type(exc).__name__}: {text}); it must return a torch.nn.Module") from None
 
 
 def _check_layout(cfg: JobConfig, vocab_size: int, nproc_per_node: str, nnodes: str) -> None:
