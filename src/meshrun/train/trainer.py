@@ -256,7 +256,20 @@ def _save_final_weights(layout: BuiltLayout, run_dir: Path, env: DistEnv) -> Pat
         return None
     path = run_dir / WEIGHTS_FILE
     tmp = path.with_suffix(".pt.tmp")
-    torch.save(state, tmp)
+    try:
+        torch.save(state, tmp)
+    except BaseException as exc:  # a full, read-only or failing disk: one line, not a traceback
+        from meshrun.checkpoint import write_fault as wf
+        from meshrun.runtime.diskfault import disk_write_error
+
+        failed = wf.write_failure(exc)
+        if failed is None:
+            raise
+        tmp.unlink(missing_ok=True)
+        needed = wf.state_bytes(state)
+        raise disk_write_error(wf.with_errno(failed, run_dir, needed), tmp, what=f"the final weights {WEIGHTS_FILE}",
+                               needed=needed, after="free space there, then re-run the same command: it resumes "
+                               "from the last checkpoint and writes them") from None
     tmp.replace(path)  # atomic: a crash mid-write never leaves a half file under the real name
     logger.info("saved %s", path)
     return path
