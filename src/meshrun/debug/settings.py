@@ -12,6 +12,7 @@ With the watchdog off the collective and init timeouts stay torch's (30 min on g
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 
@@ -51,8 +52,8 @@ def parse_hang_timeout(value: str | float | None, *, source: str = "--hang-timeo
         seconds = float(value)
     except ValueError:
         raise LaunchError(f"{source} {value!r}: expected seconds, e.g. {source} 300 (0 turns the watchdog off)") from None
-    if seconds < 0 or 0 < seconds < MIN_HANG_TIMEOUT_S:
-        raise LaunchError(f"{source} {value}: must be 0 (off) or >= {MIN_HANG_TIMEOUT_S:g} seconds, e.g. {source} 60")
+    if not math.isfinite(seconds) or seconds < 0 or 0 < seconds < MIN_HANG_TIMEOUT_S:
+        raise LaunchError(f"{source} {value}: must be 0 (off) or a finite number >= {MIN_HANG_TIMEOUT_S:g} seconds, e.g. {source} 60")
     return seconds
 
 
