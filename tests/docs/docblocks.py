@@ -1,0 +1,277 @@
+"""The fenced code blocks of a Markdown page, and how the docs test runs them.
+
+A page's `bash`, `console` and `python` blocks run in document order, in one fresh directory per
+page (`examples/` is linked into it, so `examples/configs/tiny.toml` works as written). A block
+may be marked on the line right before its fence:
+
+    <!-- doc-test: skip (why it cannot run here) -->   not run; the reason is required
+    <!-- doc-test: fails -->                           a `console` block whose commands must all
+                                                       exit non-zero, printing the lines it shows
+
+`console` blocks: a line starting with `$ ` is a command; the lines after it, up to the next
+command, are output that must appear in that command's output, in order, as whole lines (`...`
+stands for any text; a line of just `...` is skipped).
+"""
+
+from __future__ import annotations
+
+import io
+import re
+import resource
+import shutil
+import subprocess
+import sys
+import time
+import tokenize
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+BIN = Path(sys.executable).parent
+RUN_LANGS = ("bash", "console", "python")
+BLOCK_TIMEOUT = 180  # seconds per block; a block that hangs fails the page instead of the suite
+
+# THE ONE RULE that makes a doc command cheaper than it reads: the default model trains 300 steps
+# (minutes), so every `meshrun train` that does not name examples/configs/tiny.toml gets
+# `--set train.steps=2` appended (the last --set wins). Runs on tiny.toml (20 steps, seconds) and
+# every other command run exactly as written. meshrun itself knows nothing of this: it is a shell
+# function that each bash/console block is run under.
+STEPS_CAP = 2
+PRELUDE = f"""set -e
+meshrun() {{
+  if [ "$1" = train ] && ! printf '%s\\n' "$@" | grep -qx 'examples/configs/tiny.toml'; then
+    command meshrun "$@" --set train.steps={STEPS_CAP}
+  else
+    command meshrun "$@"
+  fi
+}}
+"""
+
+_TRAIN_PY = """import argparse
+
+import torch
+import torch.distributed as dist
+
+import meshrun
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--lr", type=float, default=1e-3)
+args = parser.parse_args()
+env = meshrun.init()
+x = torch.ones(1)
+dist.all_reduce(x)
+meshrun.print0(f"all_reduce over {env.world_size} process(es): {x.item()}, lr {args.lr}")
+"""
+
+
+def fixtures() -> dict[str, str]:
+    """Inputs that the docs assume the reader has (their own script, package and text), written
+    into each page's directory before its first block."""
+    text = (REPO / "README.md").read_text(encoding="utf-8") * 4  # ~40 KB of prose: plenty of windows
+    return {"train.py": _TRAIN_PY, "mypkg/__init__.py": "", "mypkg/train.py": _TRAIN_PY,
+            "my_text.txt": text, "book.txt": text, "notes.txt": text[: len(text) // 4]}
+
+
+_MARKER = re.compile(r"^<!--\s*doc-test:\s*(?P<kind>[a-z-]+)\s*(?:\((?P<reason>.*)\))?\s*-->\s*$")
+_FENCE = re.compile(r"^(?P<fence>```+|~~~+)\s*(?P<lang>[\w+-]*)\s*$")
+
+
+@dataclass(frozen=True)
+class Block:
+    path: Path
+    line: int  # 1-based line of the opening fence
+    lang: str
+    text: str
+    marker: str = ""  # "", "skip" or "fails"
+    reason: str = ""
+
+    @property
+    def where(self) -> str:
+        return f"{self.path.name}:{self.line}"
+
+    @property
+    def runs(self) -> bool:
+        return self.lang in RUN_LANGS and self.marker != "skip"
+
+
+class PageError(ValueError):
+    """A page whose fences or markers are malformed."""
+
+
+def parse(path: Path) -> list[Block]:
+    lines = path.read_text(encoding="utf-8").splitlines()
+    found: list[Block] = []
+    pending: tuple[int, str, str] | None = None  # marker line, kind, reason
+    i = 0
+    while i < len(lines):
+        line = lines[i]
+        marker = _MARKER.match(line.strip())
+        fence = _FENCE.match(line)
+        if marker:
+            kind, reason = marker["kind"], (marker["reason"] or "").strip()
+            if kind not in ("skip", "fails") or (kind == "skip" and not reason):
+                raise PageError(f"{path.name}:{i + 1}: a marker is `doc-test: skip (reason)` or `doc-test: fails`")
+            pending = (i + 1, kind, reason)
+        elif fence:
+            end = next((j for j in range(i + 1, len(lines)) if lines[j].strip() == fence["fence"]), None)
+            if end is None:
+                raise PageError(f"{path.name}:{i + 1}: the fence is never closed")
+            kind, reason = ("", "") if pending is None else pending[1:]
+            found.append(Block(path, i + 1, fence["lang"], "\n".join(lines[i + 1:end]) + "\n", kind, reason))
+            if kind == "fails" and fence["lang"] != "console":
+                raise PageError(f"{path.name}:{i + 1}: `doc-test: fails` is for console blocks (they show the output)")
+            pending = None
+            i = end
+        elif pending is not None and line.strip():
+            raise PageError(f"{path.name}:{pending[0]}: a doc-test marker must be the line right before a fence")
+        i += 1
+    if pending is not None:
+        raise PageError(f"{path.name}:{pending[0]}: a doc-test marker with no fence after it")
+    return found
+
+
+def _strip_shell_comment(line: str) -> str:
+    quote = ""
+    for k, ch in enumerate(line):
+        if quote:
+            quote = "" if ch == quote else quote
+        elif ch in "'\"":
+            quote = ch
+        elif ch == "#" and (k == 0 or line[k - 1].isspace()):
+            return line[:k].rstrip()
+    return line.rstrip()
+
+
+def normalized(block: Block) -> str:
+    """The block's code without comments or trailing blanks: two blocks that differ only in comments
+    (the English and Chinese READMEs) normalise to the same text."""
+    if block.lang == "python":
+        try:
+            tokens = [t for t in tokenize.generate_tokens(io.StringIO(block.text).readline)
+                      if t.type != tokenize.COMMENT]
+            text = tokenize.untokenize(tokens)
+        except (tokenize.TokenError, SyntaxError, IndentationError):
+            text = block.text
+        lines = [ln.rstrip() for ln in text.splitlines()]
+    elif block.lang in ("bash", "console", "sh"):
+        lines = [_strip_shell_comment(ln) for ln in block.text.splitlines()]
+    else:
+        lines = [ln.rstrip() for ln in block.text.splitlines()]
+    return "\n".join(ln for ln in lines if ln.strip())
+
+
+@dataclass
+class Outcome:
+    block: Block
+    ok: bool
+    detail: str = ""
+    seconds: float = 0.0  # wall
+    cpu: float = 0.0  # user + system of the block's processes
+
+
+def prepare_dir(workdir: Path) -> None:
+    workdir.mkdir(parents=True, exist_ok=True)
+    (workdir / "examples").symlink_to(REPO / "examples")
+    for name, text in fixtures().items():
+        (workdir / name).parent.mkdir(parents=True, exist_ok=True)
+        (workdir / name).write_text(text, encoding="utf-8")
+
+
+def _run(cmd: list[str], workdir: Path, env: dict[str, str]) -> tuple[int, str]:
+    from conftest import kill_tree
+
+    proc = subprocess.Popen(cmd, cwd=workdir, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=BLOCK_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        kill_tree(proc.pid)
+        out, _ = proc.communicate()
+        return 124, f"{out}\n(killed after {BLOCK_TIMEOUT}s)"
+    return proc.returncode, out
+
+
+def _console_steps(text: str) -> list[tuple[str, list[str]]]:
+    steps: list[tuple[str, list[str]]] = []
+    for line in text.splitlines():
+        if line.startswith("$ "):
+            steps.append((line[2:], []))
+        elif steps and line.strip() and line.strip() != "...":
+            steps[-1][1].append(line.strip())
+    return steps
+
+
+def _missing_lines(shown: list[str], output: str) -> list[str]:
+    """The shown lines not found, in order, among the output's lines (`...` = any text)."""
+    got = [ln.strip() for ln in output.splitlines()]
+    pos = 0
+    for want in shown:
+        pattern = re.compile(".*".join(re.escape(part) for part in want.split("...")))
+        hit = next((k for k in range(pos, len(got)) if pattern.fullmatch(got[k])), None)
+        if hit is None:
+            return shown[shown.index(want):]
+        pos = hit + 1
+    return []
+
+
+def run_block(block: Block, workdir: Path, env: dict[str, str]) -> Outcome:
+    name = f"doc_block_{block.line}"
+    if block.lang == "python":
+        script = workdir / f"{name}.py"
+        script.write_text(block.text, encoding="utf-8")
+        rc, out = _run([sys.executable, script.name], workdir, env)
+        return Outcome(block, rc == 0, f"exit {rc}\n{out}")
+    if block.lang == "bash":
+        script = workdir / f"{name}.sh"
+        script.write_text(PRELUDE + block.text, encoding="utf-8")
+        rc, out = _run(["bash", script.name], workdir, env)
+        return Outcome(block, rc == 0, f"exit {rc}\n{out}")
+    steps = _console_steps(block.text)
+    if not steps:
+        return Outcome(block, False, "a console block needs at least one `$ ` command line")
+    for k, (command, shown) in enumerate(steps):
+        script = workdir / f"{name}_{k}.sh"
+        script.write_text(PRELUDE + command + "\n", encoding="utf-8")
+        rc, out = _run(["bash", script.name], workdir, env)
+        if (rc == 0) == (block.marker == "fails"):
+            expected = "a non-zero exit (marked `doc-test: fails`)" if block.marker == "fails" else "exit 0"
+            return Outcome(block, False, f"$ {command}\nexpected {expected}, got exit {rc}\n{out}")
+        missing = _missing_lines(shown, out)
+        if missing:
+            return Outcome(block, False, f"$ {command}\nexit {rc}; output lacks the shown line {missing[0]!r}\n{out}")
+    return Outcome(block, True)
+
+
+def _children_cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def run_page(path: Path, workdir: Path, env: dict[str, str]) -> list[Outcome]:
+    """Run the page's runnable blocks in order in the fresh `workdir`; stop at the first failure
+    (later blocks usually depend on it)."""
+    prepare_dir(workdir)
+    env = {**env, "PATH": f"{BIN}:{env.get('PATH', '')}"}
+    outcomes = []
+    for block in parse(path):
+        if not block.runs:
+            continue
+        start, used = time.monotonic(), _children_cpu()
+        outcomes.append(run_block(block, workdir, env))
+        outcomes[-1].seconds, outcomes[-1].cpu = time.monotonic() - start, _children_cpu() - used
+        if not outcomes[-1].ok:
+            break
+    return outcomes
+
+
+def failure_report(outcomes: list[Outcome], tail: int = 3000) -> str:
+    return "\n\n".join(f"{o.block.where} ({o.block.lang}) failed:\n{o.detail[-tail:]}" for o in outcomes if not o.ok)
+
+
+def page_key(path: Path) -> tuple:
+    """Two pages with the same runnable blocks (up to comments) and markers run identically."""
+    return tuple((b.lang, b.marker, normalized(b)) for b in parse(path) if b.lang in RUN_LANGS)
+
+
+def clean(workdir: Path) -> None:
+    shutil.rmtree(workdir, ignore_errors=True)

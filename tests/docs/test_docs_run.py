@@ -1,0 +1,82 @@
+"""Every `bash`, `console` and `python` block of README.md, README.zh-CN.md and docs/*.md runs.
+
+How (tests/docs/docblocks.py has the details):
+- one fresh temporary directory per page, with `examples/` linked in and the few inputs the docs
+  assume the reader has (FIXTURES: `train.py`, `mypkg/train.py`, text files); blocks in
+  document order, each bounded by BLOCK_TIMEOUT;
+- one rule bounds the cost: a `meshrun train` that does not use examples/configs/tiny.toml gets
+  `--set train.steps=2` (STEPS_CAP) appended; everything else runs as written;
+- `<!-- doc-test: skip (reason) -->` before a fence exempts it, with its reason beside it;
+  `<!-- doc-test: fails -->` makes a console block's commands required to fail, with the output shown;
+- pages whose runnable blocks are the same up to comments (the two READMEs, see
+  test_readme_parity.py) run once: the second reuses the first's outcome.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from conftest import child_env
+from docblocks import REPO, RUN_LANGS, Block, failure_report, normalized, page_key, parse, run_page
+
+PAGES = [REPO / "README.md", REPO / "README.zh-CN.md", *sorted((REPO / "docs").glob("*.md"))]
+_OUTCOMES: dict[tuple, str] = {}  # page_key -> failure report ("" = passed), shared by identical pages
+
+
+def _rel(path: Path) -> str:
+    return str(path.relative_to(REPO))
+
+
+@pytest.mark.parametrize("page", PAGES, ids=_rel)
+def test_page_blocks_run(page: Path, tmp_path: Path):
+    key = page_key(page)
+    if key not in _OUTCOMES:
+        _OUTCOMES[key] = failure_report(run_page(page, tmp_path / "page", child_env()))
+    assert not _OUTCOMES[key], f"{_rel(page)}: a documented command or snippet broke\n{_OUTCOMES[key]}"
+
+
+def test_every_fence_names_its_language():
+    """An untagged fence would dodge the runner: commands are tagged bash/console/python, the rest text/toml/json."""
+    untagged = [b.where for page in PAGES for b in parse(page) if not b.lang]
+    assert not untagged, f"fences without a language (use bash/console/python to run, text otherwise): {untagged}"
+
+
+def exempt_blocks() -> list[Block]:
+    return [b for page in PAGES for b in parse(page) if b.lang in RUN_LANGS and b.marker == "skip"]
+
+
+def test_exempt_list_is_short():
+    """Keep exemptions rare: each one is a command nobody checks. Raise the bound only with a reason."""
+    exempt = {(b.lang, normalized(b)): b for b in exempt_blocks()}.values()  # the READMEs' count once
+    assert len(exempt) <= 12, "\n".join(f"{b.where}: {b.reason}" for b in exempt)
+
+
+# --- the harness itself must fail on a broken page: scratch pages, one short subprocess each ---
+
+def _scratch(tmp_path: Path, body: str) -> list:
+    page = tmp_path / "scratch.md"
+    page.write_text(body, encoding="utf-8")
+    return run_page(page, tmp_path / "work", child_env())
+
+
+def test_typo_in_a_command_fails_the_page(tmp_path: Path):
+    good = "```bash\nmeshrun config show examples/configs/tiny.toml\n```\n"
+    outcomes = _scratch(tmp_path, f"# scratch\n\n{good}\nA typo:\n\n" + good.replace("config show", "config shwo"))
+    assert [o.ok for o in outcomes] == [True, False], failure_report(outcomes)
+    assert "shwo" in outcomes[1].detail and outcomes[1].block.line == 9
+
+
+def test_typo_in_a_snippet_fails_the_page(tmp_path: Path):
+    outcomes = _scratch(tmp_path, "```python\nfrom meshrun.config import load_confg\n```\n")
+    assert [o.ok for o in outcomes] == [False] and "ImportError" in outcomes[0].detail
+
+
+def test_an_error_example_must_fail_with_its_output(tmp_path: Path):
+    shown = "meshrun train: error: unknown key 'optim.lrr' in --set optim.lrr=1e-3; did you mean 'optim.lr'?"
+    page = ("<!-- doc-test: fails -->\n```console\n$ meshrun train --set optim.lrr=1e-3\n" + shown + "\n```\n\n"
+            "<!-- doc-test: fails -->\n```console\n$ meshrun train --set optim.lr=1e-3 --help\n```\n")
+    outcomes = _scratch(tmp_path, page)
+    # the first fails as shown; the second exits 0, which a `fails` block does not allow
+    assert [o.ok for o in outcomes] == [True, False], failure_report(outcomes)
+    assert "expected a non-zero exit" in outcomes[1].detail
