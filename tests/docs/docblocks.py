@@ -167,6 +167,7 @@ class Outcome:
     detail: str = ""
     seconds: float = 0.0  # wall
     cpu: float = 0.0  # user + system of the block's processes
+    reused: bool = False  # taken from an identical earlier page (Memo)
 
 
 def prepare_dir(workdir: Path) -> None:
@@ -203,10 +204,10 @@ def _console_steps(text: str) -> list[tuple[str, list[str]]]:
 
 def _missing_lines(shown: list[str], output: str) -> list[str]:
     """The shown lines not found, in order, among the output's lines (`...` = any text)."""
-    got = [ln.strip() for ln in output.splitlines()]
+    got = [" ".join(ln.split()) for ln in output.splitlines()]  # runs of blanks compare equal
     pos = 0
     for want in shown:
-        pattern = re.compile(".*".join(re.escape(part) for part in want.split("...")))
+        pattern = re.compile(".*".join(re.escape(part) for part in " ".join(want.split()).split("...")))
         hit = next((k for k in range(pos, len(got)) if pattern.fullmatch(got[k])), None)
         if hit is None:
             return shown[shown.index(want):]
@@ -220,12 +221,12 @@ def run_block(block: Block, workdir: Path, env: dict[str, str]) -> Outcome:
         script = workdir / f"{name}.py"
         script.write_text(block.text, encoding="utf-8")
         rc, out = _run([sys.executable, script.name], workdir, env)
-        return Outcome(block, rc == 0, f"exit {rc}\n{out}")
+        return Outcome(block, rc == 0, f"exit {rc}\n\n{out}")
     if block.lang == "bash":
         script = workdir / f"{name}.sh"
         script.write_text(PRELUDE + block.text, encoding="utf-8")
         rc, out = _run(["bash", script.name], workdir, env)
-        return Outcome(block, rc == 0, f"exit {rc}\n{out}")
+        return Outcome(block, rc == 0, f"exit {rc}\n\n{out}")
     steps = _console_steps(block.text)
     if not steps:
         return Outcome(block, False, "a console block needs at least one `$ ` command line")
@@ -235,11 +236,35 @@ def run_block(block: Block, workdir: Path, env: dict[str, str]) -> Outcome:
         rc, out = _run(["bash", script.name], workdir, env)
         if (rc == 0) == (block.marker == "fails"):
             expected = "a non-zero exit (marked `doc-test: fails`)" if block.marker == "fails" else "exit 0"
-            return Outcome(block, False, f"$ {command}\nexpected {expected}, got exit {rc}\n{out}")
+            return Outcome(block, False, f"$ {command}\nexpected {expected}, got exit {rc}\n\n{out}")
         missing = _missing_lines(shown, out)
         if missing:
-            return Outcome(block, False, f"$ {command}\nexit {rc}; output lacks the shown line {missing[0]!r}\n{out}")
+            return Outcome(block, False, f"$ {command}\nexit {rc}; the output lacks the shown line {missing[0]!r}\n\n{out}")
     return Outcome(block, True)
+
+
+class Memo:
+    """Blocks already run, by their page's runnable blocks up to and including them (up to comments),
+    with a copy of the page directory after each: a page that starts like another (the two READMEs,
+    docs that begin from the same run) takes those blocks' outcomes and files instead of running them.
+    Every page starts from the same fixtures, so the same blocks leave the same files."""
+
+    def __init__(self, store: Path) -> None:
+        self.store = store
+        self.done: dict[tuple, tuple[Outcome, Path]] = {}
+
+    def reuse(self, key: tuple, block: Block, workdir: Path) -> Outcome | None:
+        if key not in self.done:
+            return None
+        outcome, snapshot = self.done[key]
+        shutil.rmtree(workdir)
+        shutil.copytree(snapshot, workdir, symlinks=True)
+        return Outcome(block, outcome.ok, outcome.detail, reused=True)
+
+    def keep(self, key: tuple, outcome: Outcome, workdir: Path) -> None:
+        snapshot = self.store / f"snapshot-{len(self.done)}"
+        shutil.copytree(workdir, snapshot, symlinks=True)
+        self.done[key] = (outcome, snapshot)
 
 
 def _children_cpu() -> float:
@@ -247,31 +272,35 @@ def _children_cpu() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def run_page(path: Path, workdir: Path, env: dict[str, str]) -> list[Outcome]:
+def run_page(path: Path, workdir: Path, env: dict[str, str], memo: Memo | None = None) -> list[Outcome]:
     """Run the page's runnable blocks in order in the fresh `workdir`; stop at the first failure
     (later blocks usually depend on it)."""
     prepare_dir(workdir)
     env = {**env, "PATH": f"{BIN}:{env.get('PATH', '')}"}
-    outcomes = []
+    outcomes: list[Outcome] = []
+    key: tuple = ()
     for block in parse(path):
         if not block.runs:
             continue
-        start, used = time.monotonic(), _children_cpu()
-        outcomes.append(run_block(block, workdir, env))
-        outcomes[-1].seconds, outcomes[-1].cpu = time.monotonic() - start, _children_cpu() - used
-        if not outcomes[-1].ok:
+        key += ((block.lang, block.marker, normalized(block)),)
+        outcome = memo.reuse(key, block, workdir) if memo else None
+        if outcome is None:
+            start, used = time.monotonic(), _children_cpu()
+            outcome = run_block(block, workdir, env)
+            outcome.seconds, outcome.cpu = time.monotonic() - start, _children_cpu() - used
+            if memo and outcome.ok:
+                memo.keep(key, outcome, workdir)
+        outcomes.append(outcome)
+        if not outcome.ok:
             break
     return outcomes
 
 
 def failure_report(outcomes: list[Outcome], tail: int = 3000) -> str:
-    return "\n\n".join(f"{o.block.where} ({o.block.lang}) failed:\n{o.detail[-tail:]}" for o in outcomes if not o.ok)
-
-
-def page_key(path: Path) -> tuple:
-    """Two pages with the same runnable blocks (up to comments) and markers run identically."""
-    return tuple((b.lang, b.marker, normalized(b)) for b in parse(path) if b.lang in RUN_LANGS)
-
-
-def clean(workdir: Path) -> None:
-    shutil.rmtree(workdir, ignore_errors=True)
+    """Each failed block: where, what was expected (the detail's first lines), and its output's end."""
+    parts = []
+    for o in outcomes:
+        if not o.ok:
+            head, _, output = o.detail.partition("\n\n")
+            parts.append(f"{o.block.where} ({o.block.lang}) failed: {head}\n{output[-tail:]}")
+    return "\n\n".join(parts)

@@ -8,8 +8,9 @@ How (tests/docs/docblocks.py has the details):
   `--set train.steps=2` (STEPS_CAP) appended; everything else runs as written;
 - `<!-- doc-test: skip (reason) -->` before a fence exempts it, with its reason beside it;
   `<!-- doc-test: fails -->` makes a console block's commands required to fail, with the output shown;
-- pages whose runnable blocks are the same up to comments (the two READMEs, see
-  test_readme_parity.py) run once: the second reuses the first's outcome.
+- a block already run, after the same blocks, on an earlier page (up to comments) is not run
+  again: its outcome and the files it left are reused (docblocks.Memo). The two READMEs (see
+  test_readme_parity.py) run once; docs/checkpoint.md and docs/metrics.md share their first run.
 """
 
 from __future__ import annotations
@@ -18,22 +19,26 @@ from pathlib import Path
 
 import pytest
 from conftest import child_env
-from docblocks import REPO, RUN_LANGS, Block, failure_report, normalized, page_key, parse, run_page
+from docblocks import REPO, RUN_LANGS, Block, Memo, failure_report, normalized, parse, run_page
 
 PAGES = [REPO / "README.md", REPO / "README.zh-CN.md", *sorted((REPO / "docs").glob("*.md"))]
-_OUTCOMES: dict[tuple, str] = {}  # page_key -> failure report ("" = passed), shared by identical pages
 
 
 def _rel(path: Path) -> str:
     return str(path.relative_to(REPO))
 
 
+@pytest.fixture(scope="module")
+def memo(tmp_path_factory) -> Memo:
+    return Memo(tmp_path_factory.mktemp("doc-snapshots"))
+
+
 @pytest.mark.parametrize("page", PAGES, ids=_rel)
-def test_page_blocks_run(page: Path, tmp_path: Path):
-    key = page_key(page)
-    if key not in _OUTCOMES:
-        _OUTCOMES[key] = failure_report(run_page(page, tmp_path / "page", child_env()))
-    assert not _OUTCOMES[key], f"{_rel(page)}: a documented command or snippet broke\n{_OUTCOMES[key]}"
+def test_page_blocks_run(page: Path, tmp_path: Path, memo: Memo):
+    outcomes = run_page(page, tmp_path / "page", child_env(), memo)
+    for o in outcomes:  # shown with -s or on failure: what each block cost
+        print(f"{o.block.where}: {'reused' if o.reused else f'{o.seconds:.1f}s wall, {o.cpu:.1f}s cpu'}")
+    assert all(o.ok for o in outcomes), f"{_rel(page)}: a documented command or snippet broke\n{failure_report(outcomes)}"
 
 
 def test_every_fence_names_its_language():
@@ -49,7 +54,7 @@ def exempt_blocks() -> list[Block]:
 def test_exempt_list_is_short():
     """Keep exemptions rare: each one is a command nobody checks. Raise the bound only with a reason."""
     exempt = {(b.lang, normalized(b)): b for b in exempt_blocks()}.values()  # the READMEs' count once
-    assert len(exempt) <= 12, "\n".join(f"{b.where}: {b.reason}" for b in exempt)
+    assert len(exempt) <= 11, "\n".join(f"{b.where}: {b.reason}" for b in exempt)
 
 
 # --- the harness itself must fail on a broken page: scratch pages, one short subprocess each ---
