@@ -60,28 +60,43 @@ def test_exempt_list_is_short():
 # --- the harness itself must fail on a broken page: scratch pages, one short subprocess each ---
 
 def _scratch(tmp_path: Path, body: str) -> list:
+    tmp_path.mkdir(parents=True, exist_ok=True)
     page = tmp_path / "scratch.md"
     page.write_text(body, encoding="utf-8")
     return run_page(page, tmp_path / "work", child_env())
 
 
+def _page_with(name: str, old: str, typo: str) -> str:
+    """A scratch copy of docs/NAME with one typo in it (pages whose blocks take a second)."""
+    text = (REPO / "docs" / name).read_text(encoding="utf-8")
+    assert text.count(old) == 1, old
+    return text.replace(old, typo)
+
+
 def test_typo_in_a_command_fails_the_page(tmp_path: Path):
-    good = "```bash\nmeshrun config show examples/configs/tiny.toml\n```\n"
-    outcomes = _scratch(tmp_path, f"# scratch\n\n{good}\nA typo:\n\n" + good.replace("config show", "config shwo"))
-    assert [o.ok for o in outcomes] == [True, False], failure_report(outcomes)
-    assert "shwo" in outcomes[1].detail and outcomes[1].block.line == 9
+    outcomes = _scratch(tmp_path, _page_with("config.md", "```bash\nmeshrun config show", "```bash\nmeshrun config shwo"))
+    assert [o.ok for o in outcomes] == [False], failure_report(outcomes)
+    assert "invalid choice: 'shwo'" in outcomes[0].detail and outcomes[0].block.lang == "bash"
 
 
 def test_typo_in_a_snippet_fails_the_page(tmp_path: Path):
-    outcomes = _scratch(tmp_path, "```python\nfrom meshrun.config import load_confg\n```\n")
-    assert [o.ok for o in outcomes] == [False] and "ImportError" in outcomes[0].detail
+    outcomes = _scratch(tmp_path, _page_with("models.md", "    return MyModel(vocab_size)", "    retrun MyModel(vocab_size)"))
+    assert [o.ok for o in outcomes] == [False], failure_report(outcomes)
+    assert outcomes[0].block.lang == "python" and "SyntaxError" in outcomes[0].detail
 
 
 def test_an_error_example_must_fail_with_its_output(tmp_path: Path):
-    shown = "meshrun train: error: unknown key 'optim.lrr' in --set optim.lrr=1e-3; did you mean 'optim.lr'?"
-    page = ("<!-- doc-test: fails -->\n```console\n$ meshrun train --set optim.lrr=1e-3\n" + shown + "\n```\n\n"
-            "<!-- doc-test: fails -->\n```console\n$ meshrun train --set optim.lr=1e-3 --help\n```\n")
+    shown = "meshrun config: error: unknown key 'optim.lrr' in --set optim.lrr=1e-3; did you mean 'optim.lr'?"
+    page = ("<!-- doc-test: fails -->\n```console\n$ meshrun config show --set optim.lrr=1e-3\n" + shown + "\n```\n\n"
+            "<!-- doc-test: fails -->\n```console\n$ meshrun config show --set optim.lr=1e-3\n```\n")
     outcomes = _scratch(tmp_path, page)
     # the first fails as shown; the second exits 0, which a `fails` block does not allow
     assert [o.ok for o in outcomes] == [True, False], failure_report(outcomes)
     assert "expected a non-zero exit" in outcomes[1].detail
+
+
+def test_output_a_console_block_shows_must_be_printed(tmp_path: Path):
+    page = "```console\n$ meshrun config show examples/configs/tiny.toml\n[train] ...\nsteps = {} ...\n```\n"
+    assert [o.ok for o in _scratch(tmp_path / "right", page.format(20))] == [True]
+    outcomes = _scratch(tmp_path / "wrong", page.format(21))
+    assert [o.ok for o in outcomes] == [False] and "lacks the shown line 'steps = 21 ...'" in outcomes[0].detail
