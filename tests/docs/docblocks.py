@@ -31,16 +31,17 @@ BIN = Path(sys.executable).parent
 RUN_LANGS = ("bash", "console", "python")
 BLOCK_TIMEOUT = 180  # seconds per block; a block that hangs fails the page instead of the suite
 
-# THE ONE RULE that makes a doc command cheaper than it reads: the default model trains 300 steps
-# (minutes), so every `meshrun train` that does not name examples/configs/tiny.toml gets
-# `--set train.steps=2` appended (the last --set wins). Runs on tiny.toml (20 steps, seconds) and
-# every other command run exactly as written. meshrun itself knows nothing of this: it is a shell
-# function that each bash/console block is run under.
+# THE ONE RULE that makes a doc command cheaper than it reads: the default config trains 300 steps
+# with 20-batch evals (minutes), so every `meshrun train` that does not name
+# examples/configs/tiny.toml gets `--set train.steps=2 --set train.eval_steps=2` appended (the last
+# --set wins). Runs on tiny.toml (20 steps, seconds) and every other command run exactly as
+# written. meshrun itself knows nothing of this: it is a shell function that each bash/console
+# block is run under.
 STEPS_CAP = 2
 PRELUDE = f"""set -e
 meshrun() {{
   if [ "$1" = train ] && ! printf '%s\\n' "$@" | grep -qx 'examples/configs/tiny.toml'; then
-    command meshrun "$@" --set train.steps={STEPS_CAP}
+    command meshrun "$@" --set train.steps={STEPS_CAP} --set train.eval_steps={STEPS_CAP}
   else
     command meshrun "$@"
   fi

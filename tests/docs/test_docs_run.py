@@ -5,7 +5,7 @@ How (tests/docs/docblocks.py has the details):
   assume the reader has (FIXTURES: `train.py`, `mypkg/train.py`, text files); blocks in
   document order, each bounded by BLOCK_TIMEOUT;
 - one rule bounds the cost: a `meshrun train` that does not use examples/configs/tiny.toml gets
-  `--set train.steps=2` (STEPS_CAP) appended; everything else runs as written;
+  `--set train.steps=2 --set train.eval_steps=2` (STEPS_CAP) appended; everything else runs as written;
 - `<!-- doc-test: skip (reason) -->` before a fence exempts it, with its reason beside it;
   `<!-- doc-test: fails -->` makes a console block's commands required to fail, with the output shown;
 - a block already run, after the same blocks, on an earlier page (up to comments) is not run
