@@ -1,4 +1,4 @@
-"""The fenced code blocks of a Markdown page, and how the docs test runs them.
+"""The fenced code blocks of a Markdown page: their language, their doc-test marker, their code.
 
 A page's `bash`, `console` and `python` blocks run in document order, in one fresh directory per
 page (`examples/` is linked into it, so `examples/configs/tiny.toml` works as written). A block
@@ -17,61 +17,12 @@ from __future__ import annotations
 
 import io
 import re
-import resource
-import shutil
-import subprocess
-import sys
-import time
 import tokenize
 from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-BIN = Path(sys.executable).parent
 RUN_LANGS = ("bash", "console", "python")
-BLOCK_TIMEOUT = 180  # seconds per block; a block that hangs fails the page instead of the suite
-
-# THE ONE RULE that makes a doc command cheaper than it reads: the default config trains 300 steps
-# with 20-batch evals (minutes), so every `meshrun train` that does not name
-# examples/configs/tiny.toml gets `--set train.steps=2 --set train.eval_steps=2` appended (the last
-# --set wins). Runs on tiny.toml (20 steps, seconds) and every other command run exactly as
-# written. meshrun itself knows nothing of this: it is a shell function that each bash/console
-# block is run under.
-STEPS_CAP = 2
-PRELUDE = f"""set -e
-meshrun() {{
-  if [ "$1" = train ] && ! printf '%s\\n' "$@" | grep -qx 'examples/configs/tiny.toml'; then
-    command meshrun "$@" --set train.steps={STEPS_CAP} --set train.eval_steps={STEPS_CAP}
-  else
-    command meshrun "$@"
-  fi
-}}
-"""
-
-_TRAIN_PY = """import argparse
-
-import torch
-import torch.distributed as dist
-
-import meshrun
-
-parser = argparse.ArgumentParser()
-parser.add_argument("--lr", type=float, default=1e-3)
-args = parser.parse_args()
-env = meshrun.init()
-x = torch.ones(1)
-dist.all_reduce(x)
-meshrun.print0(f"all_reduce over {env.world_size} process(es): {x.item()}, lr {args.lr}")
-"""
-
-
-def fixtures() -> dict[str, str]:
-    """Inputs that the docs assume the reader has (their own script, package and text), written
-    into each page's directory before its first block."""
-    text = (REPO / "README.md").read_text(encoding="utf-8") * 4  # ~40 KB of prose: plenty of windows
-    return {"train.py": _TRAIN_PY, "mypkg/__init__.py": "", "mypkg/train.py": _TRAIN_PY,
-            "my_text.txt": text, "book.txt": text, "notes.txt": text[: len(text) // 4]}
-
 
 _MARKER = re.compile(r"^<!--\s*doc-test:\s*(?P<kind>[a-z-]+)\s*(?:\((?P<reason>.*)\))?\s*-->\s*$")
 _FENCE = re.compile(r"^(?P<fence>```+|~~~+)\s*(?P<lang>[\w+-]*)\s*$")
@@ -159,149 +110,3 @@ def normalized(block: Block) -> str:
     else:
         lines = [ln.rstrip() for ln in block.text.splitlines()]
     return "\n".join(ln for ln in lines if ln.strip())
-
-
-@dataclass
-class Outcome:
-    block: Block
-    ok: bool
-    detail: str = ""
-    seconds: float = 0.0  # wall
-    cpu: float = 0.0  # user + system of the block's processes
-    reused: bool = False  # taken from an identical earlier page (Memo)
-
-
-def prepare_dir(workdir: Path) -> None:
-    workdir.mkdir(parents=True, exist_ok=True)
-    (workdir / "examples").symlink_to(REPO / "examples")
-    for name, text in fixtures().items():
-        (workdir / name).parent.mkdir(parents=True, exist_ok=True)
-        (workdir / name).write_text(text, encoding="utf-8")
-
-
-def _run(cmd: list[str], workdir: Path, env: dict[str, str]) -> tuple[int, str]:
-    from conftest import kill_tree
-
-    proc = subprocess.Popen(cmd, cwd=workdir, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=BLOCK_TIMEOUT)
-    except subprocess.TimeoutExpired:
-        kill_tree(proc.pid)
-        out, _ = proc.communicate()
-        return 124, f"{out}\n(killed after {BLOCK_TIMEOUT}s)"
-    return proc.returncode, out
-
-
-def _console_steps(text: str) -> list[tuple[str, list[str]]]:
-    steps: list[tuple[str, list[str]]] = []
-    for line in text.splitlines():
-        if line.startswith("$ "):
-            steps.append((line[2:], []))
-        elif steps and line.strip() and line.strip() != "...":
-            steps[-1][1].append(line.strip())
-    return steps
-
-
-def _missing_lines(shown: list[str], output: str) -> list[str]:
-    """The shown lines not found, in order, among the output's lines (`...` = any text)."""
-    got = [" ".join(ln.split()) for ln in output.splitlines()]  # runs of blanks compare equal
-    pos = 0
-    for want in shown:
-        pattern = re.compile(".*".join(re.escape(part) for part in " ".join(want.split()).split("...")))
-        hit = next((k for k in range(pos, len(got)) if pattern.fullmatch(got[k])), None)
-        if hit is None:
-            return shown[shown.index(want):]
-        pos = hit + 1
-    return []
-
-
-def run_block(block: Block, workdir: Path, env: dict[str, str]) -> Outcome:
-    name = f"doc_block_{block.line}"
-    if block.lang == "python":
-        script = workdir / f"{name}.py"
-        script.write_text(block.text, encoding="utf-8")
-        rc, out = _run([sys.executable, script.name], workdir, env)
-        return Outcome(block, rc == 0, f"exit {rc}\n\n{out}")
-    if block.lang == "bash":
-        script = workdir / f"{name}.sh"
-        script.write_text(PRELUDE + block.text, encoding="utf-8")
-        rc, out = _run(["bash", script.name], workdir, env)
-        return Outcome(block, rc == 0, f"exit {rc}\n\n{out}")
-    steps = _console_steps(block.text)
-    if not steps:
-        return Outcome(block, False, "a console block needs at least one `$ ` command line")
-    for k, (command, shown) in enumerate(steps):
-        script = workdir / f"{name}_{k}.sh"
-        script.write_text(PRELUDE + command + "\n", encoding="utf-8")
-        rc, out = _run(["bash", script.name], workdir, env)
-        if (rc == 0) == (block.marker == "fails"):
-            expected = "a non-zero exit (marked `doc-test: fails`)" if block.marker == "fails" else "exit 0"
-            return Outcome(block, False, f"$ {command}\nexpected {expected}, got exit {rc}\n\n{out}")
-        missing = _missing_lines(shown, out)
-        if missing:
-            return Outcome(block, False, f"$ {command}\nexit {rc}; the output lacks the shown line {missing[0]!r}\n\n{out}")
-    return Outcome(block, True)
-
-
-class Memo:
-    """Blocks already run, by their page's runnable blocks up to and including them (up to comments),
-    with a copy of the page directory after each: a page that starts like another (the two READMEs,
-    docs that begin from the same run) takes those blocks' outcomes and files instead of running them.
-    Every page starts from the same fixtures, so the same blocks leave the same files."""
-
-    def __init__(self, store: Path) -> None:
-        self.store = store
-        self.done: dict[tuple, tuple[Outcome, Path]] = {}
-
-    def reuse(self, key: tuple, block: Block, workdir: Path) -> Outcome | None:
-        if key not in self.done:
-            return None
-        outcome, snapshot = self.done[key]
-        shutil.rmtree(workdir)
-        shutil.copytree(snapshot, workdir, symlinks=True)
-        return Outcome(block, outcome.ok, outcome.detail, reused=True)
-
-    def keep(self, key: tuple, outcome: Outcome, workdir: Path) -> None:
-        snapshot = self.store / f"snapshot-{len(self.done)}"
-        shutil.copytree(workdir, snapshot, symlinks=True)
-        self.done[key] = (outcome, snapshot)
-
-
-def _children_cpu() -> float:
-    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return usage.ru_utime + usage.ru_stime
-
-
-def run_page(path: Path, workdir: Path, env: dict[str, str], memo: Memo | None = None) -> list[Outcome]:
-    """Run the page's runnable blocks in order in the fresh `workdir`; stop at the first failure
-    (later blocks usually depend on it)."""
-    prepare_dir(workdir)
-    env = {**env, "PATH": f"{BIN}:{env.get('PATH', '')}"}
-    outcomes: list[Outcome] = []
-    key: tuple = ()
-    for block in parse(path):
-        if not block.runs:
-            continue
-        key += ((block.lang, block.marker, normalized(block)),)
-        outcome = memo.reuse(key, block, workdir) if memo else None
-        if outcome is None:
-            start, used = time.monotonic(), _children_cpu()
-            outcome = run_block(block, workdir, env)
-            outcome.seconds, outcome.cpu = time.monotonic() - start, _children_cpu() - used
-            if memo and outcome.ok:
-                memo.keep(key, outcome, workdir)
-        outcomes.append(outcome)
-        if not outcome.ok:
-            break
-    return outcomes
-
-
-def failure_report(outcomes: list[Outcome], tail: int = 3000) -> str:
-    """Each failed block: where, what was expected (the detail's first lines), and its output's end."""
-    parts = []
-    for o in outcomes:
-        if not o.ok:
-            head, _, output = o.detail.partition("\n\n")
-            parts.append(f"{o.block.where} ({o.block.lang}) failed: {head}\n{output[-tail:]}")
-    return "\n\n".join(parts)

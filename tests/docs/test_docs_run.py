@@ -1,6 +1,6 @@
 """Every `bash`, `console` and `python` block of README.md, README.zh-CN.md and docs/*.md runs.
 
-How (tests/docs/docblocks.py has the details):
+How (tests/docs/docblocks.py finds and marks the blocks, docrun.py runs them):
 - one fresh temporary directory per page, with `examples/` linked in and the few inputs the docs
   assume the reader has (FIXTURES: `train.py`, `mypkg/train.py`, text files); blocks in
   document order, each bounded by BLOCK_TIMEOUT;
@@ -9,7 +9,7 @@ How (tests/docs/docblocks.py has the details):
 - `<!-- doc-test: skip (reason) -->` before a fence exempts it, with its reason beside it;
   `<!-- doc-test: fails -->` makes a console block's commands required to fail, with the output shown;
 - a block already run, after the same blocks, on an earlier page (up to comments) is not run
-  again: its outcome and the files it left are reused (docblocks.Memo). The two READMEs (see
+  again: its outcome and the files it left are reused (docrun.Memo). The two READMEs (see
   test_readme_parity.py) run once; docs/checkpoint.md and docs/metrics.md share their first run.
 """
 
@@ -19,7 +19,8 @@ from pathlib import Path
 
 import pytest
 from conftest import child_env
-from docblocks import REPO, RUN_LANGS, Block, Memo, failure_report, normalized, parse, run_page
+from docblocks import REPO, RUN_LANGS, Block, PageError, normalized, parse
+from docrun import Memo, failure_report, run_page
 
 PAGES = [REPO / "README.md", REPO / "README.zh-CN.md", *sorted((REPO / "docs").glob("*.md"))]
 
@@ -100,3 +101,17 @@ def test_output_a_console_block_shows_must_be_printed(tmp_path: Path):
     assert [o.ok for o in _scratch(tmp_path / "right", page.format(20))] == [True]
     outcomes = _scratch(tmp_path / "wrong", page.format(21))
     assert [o.ok for o in outcomes] == [False] and "lacks the shown line 'steps = 21 ...'" in outcomes[0].detail
+
+
+@pytest.mark.parametrize("page", [
+    "<!-- doc-test: skip -->\n```bash\nls\n```\n",                       # a skip without its reason
+    "<!-- doc-test: skip (why) -->\nprose\n```bash\nls\n```\n",         # not right before the fence
+    "<!-- doc-test: fails -->\n```bash\nfalse\n```\n",                 # fails: console only (output shown)
+    "<!-- doc-test: skip (why) -->\n",                                   # no fence after it
+    "```bash\nls\n",                                                    # never closed
+])
+def test_a_malformed_marker_or_fence_is_refused(page: str, tmp_path: Path):
+    path = tmp_path / "bad.md"
+    path.write_text(page, encoding="utf-8")
+    with pytest.raises(PageError):
+        parse(path)

@@ -12,7 +12,7 @@ import re
 from pathlib import Path
 
 import pytest
-from docblocks import REPO, RUN_LANGS, parse
+from docblocks import REPO, RUN_LANGS, normalized, parse
 
 EN, ZH = REPO / "README.md", REPO / "README.zh-CN.md"
 _LINK = re.compile(r"\]\(([^)\s]+)\)")
@@ -46,8 +46,6 @@ def inline_commands(path: Path) -> set[str]:
 
 
 def code(path: Path) -> list[tuple]:
-    from docblocks import normalized
-
     return [(b.lang, b.marker, b.reason, normalized(b) if b.lang in RUN_LANGS else "") for b in parse(path)]
 
 
