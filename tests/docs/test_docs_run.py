@@ -34,6 +34,7 @@ def memo(tmp_path_factory) -> Memo:
     return Memo(tmp_path_factory.mktemp("doc-snapshots"))
 
 
+@pytest.mark.timeout(900)  # a page of several blocks, each bounded by BLOCK_TIMEOUT, on a loaded machine
 @pytest.mark.parametrize("page", PAGES, ids=_rel)
 def test_page_blocks_run(page: Path, tmp_path: Path, memo: Memo):
     outcomes = run_page(page, tmp_path / "page", child_env(), memo)
