@@ -10,7 +10,8 @@ How (tests/docs/docblocks.py finds and marks the blocks, docrun.py runs them):
   `<!-- doc-test: fails -->` makes a console block's commands required to fail, with the output shown;
 - a block already run, after the same blocks, on an earlier page (up to comments) is not run
   again: its outcome and the files it left are reused (docrun.Memo). The two READMEs (see
-  test_readme_parity.py) run once; docs/checkpoint.md and docs/metrics.md share their first run.
+  test_readme_parity.py) run once; docs/checkpoint.md and docs/metrics.md share their first run;
+- two pages run at a time (docrun.run_pages), each alone in its directory.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from pathlib import Path
 import pytest
 from conftest import child_env
 from docblocks import REPO, RUN_LANGS, Block, PageError, normalized, parse
-from docrun import Memo, failure_report, run_page
+from docrun import Memo, failure_report, run_page, run_pages
 
 PAGES = [REPO / "README.md", REPO / "README.zh-CN.md", *sorted((REPO / "docs").glob("*.md"))]
 
@@ -30,16 +31,20 @@ def _rel(path: Path) -> str:
 
 
 @pytest.fixture(scope="module")
-def memo(tmp_path_factory) -> Memo:
-    return Memo(tmp_path_factory.mktemp("doc-snapshots"))
+def page_outcomes(request, tmp_path_factory) -> dict[Path, list]:
+    """Every page selected in this session, run once, two pages at a time (docrun.run_pages)."""
+    selected = [item.callspec.params["page"] for item in request.session.items
+                if getattr(item, "originalname", "") == "test_page_blocks_run"]
+    root = tmp_path_factory.mktemp("doc-pages")
+    return run_pages(selected, root, child_env(), Memo(root / "snapshots"))
 
 
-@pytest.mark.timeout(900)  # a page of several blocks, each bounded by BLOCK_TIMEOUT, on a loaded machine
+@pytest.mark.timeout(1800)  # the first page's test also runs the others: bounded per block by BLOCK_TIMEOUT
 @pytest.mark.parametrize("page", PAGES, ids=_rel)
-def test_page_blocks_run(page: Path, tmp_path: Path, memo: Memo):
-    outcomes = run_page(page, tmp_path / "page", child_env(), memo)
+def test_page_blocks_run(page: Path, page_outcomes: dict[Path, list]):
+    outcomes = page_outcomes[page]
     for o in outcomes:  # shown with -s or on failure: what each block cost
-        print(f"{o.block.where}: {'reused' if o.reused else f'{o.seconds:.1f}s wall, {o.cpu:.1f}s cpu'}")
+        print(f"{o.block.where}: {'reused' if o.reused else f'{o.seconds:.1f}s'}")
     assert all(o.ok for o in outcomes), f"{_rel(page)}: a documented command or snippet broke\n{failure_report(outcomes)}"
 
 
