@@ -17,11 +17,27 @@ from pathlib import Path
 
 import pytest
 
+from meshrun.testing.ports import PORT_RANGE_VAR, pick_port, worker_range
+
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = REPO / "examples"
 BIN = Path(sys.executable).parent
 TINY = str(EXAMPLES / "configs" / "tiny.toml")  # the config the end-to-end tests train
 LAUNCHER_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def pytest_configure(config) -> None:
+    """Under pytest-xdist (`make test` runs 2 workers), each worker picks its store ports from its
+    own range (meshrun.testing.ports): two workers can never pick the same port at once."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    if worker.startswith("gw") and PORT_RANGE_VAR not in os.environ:
+        count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+        os.environ[PORT_RANGE_VAR] = worker_range(int(worker[2:]), max(count, int(worker[2:]) + 1))
+
+
+def free_port() -> int:
+    """A port for a test to name up front (--rdzv-endpoint, MESHRUN_RDZV_PORT): this worker's own."""
+    return pick_port("127.0.0.1")
 
 
 def child_env(*extra: dict[str, str] | None) -> dict[str, str]:
