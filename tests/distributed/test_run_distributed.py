@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import multiprocessing
 import os
 import signal
@@ -93,7 +94,9 @@ def _kill_self() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def _plain_torch() -> tuple[float, bool]:
+def _plain_torch(marker_dir: str) -> tuple[float, bool]:
+    # A rank that returned skips the interpreter's teardown, not fn's atexit handlers.
+    atexit.register(Path(marker_dir, f"atexit{os.environ['RANK']}").write_text, "ran")
     dist.init_process_group("gloo")  # env:// from the variables run_distributed set
     t = torch.tensor([dist.get_rank() + 1.0])
     dist.all_reduce(t)
@@ -264,8 +267,10 @@ def test_lambda_and_local_function_are_rejected_up_front() -> None:
     assert multiprocessing.active_children() == []
 
 
-def test_init_false_lets_fn_own_the_group() -> None:
-    assert run_distributed(_plain_torch, world_size=2, timeout=60, init=False) == [(3.0, True)] * 2
+def test_init_false_lets_fn_own_the_group_and_atexit_handlers_run(tmp_path: Path) -> None:
+    results = run_distributed(_plain_torch, world_size=2, timeout=60, init=False, args=(str(tmp_path),))
+    assert results == [(3.0, True)] * 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["atexit0", "atexit1"]
 
 
 def test_ddp_two_ranks_on_half_batches_match_one_process() -> None:
