@@ -8,6 +8,9 @@ TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.meshrun-installed
 PYTEST_ARGS ?=
+# The suite runs on 2 pytest-xdist workers, a whole file per worker (module fixtures share one
+# run); TEST_WORKERS=0 runs it in this process, one test after another.
+TEST_WORKERS ?= 2
 
 .PHONY: run guide test setup lint bench clean
 
@@ -18,7 +21,7 @@ guide: $(STAMP)  ## the guide's DDP example through meshrun launch
 	$(BIN)/meshrun launch examples/guide/train_ddp.py --save runs/train_ddp/ckpt.pth
 
 test: $(STAMP) lint  ## ruff, then every test (pytest exit 5, "no tests collected", is a failure)
-	@$(BIN)/pytest $(PYTEST_ARGS); rc=$$?; \
+	@$(BIN)/pytest -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: the suite is missing" >&2; exit 1; fi; \
 	exit $$rc
 

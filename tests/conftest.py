@@ -17,11 +17,37 @@ from pathlib import Path
 
 import pytest
 
+from meshrun.testing.ports import PORT_RANGE_VAR, pick_port, worker_range
+
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = REPO / "examples"
 BIN = Path(sys.executable).parent
 TINY = str(EXAMPLES / "configs" / "tiny.toml")  # the config the end-to-end tests train
 LAUNCHER_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def pytest_configure(config) -> None:
+    """Under pytest-xdist (`make test` runs 2 workers), each worker picks its store ports from its
+    own range (meshrun.testing.ports): two workers can never pick the same port at once."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    if worker.startswith("gw") and PORT_RANGE_VAR not in os.environ:
+        count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+        os.environ[PORT_RANGE_VAR] = worker_range(int(worker[2:]), max(count, int(worker[2:]) + 1))
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item) -> None:
+    """Tests that compute in this process (references, unit tests) use one torch thread, as every
+    rank does: on 2 cores, torch's second OpenMP thread only spins against the ranks and the other
+    worker (the parallel matrix's reference: 1.1 s of CPU on one thread, 8.5 s on two, under load)."""
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.get_num_threads() != 1:
+        torch.set_num_threads(1)
+
+
+def free_port() -> int:
+    """A port for a test to name up front (--rdzv-endpoint, MESHRUN_RDZV_PORT): this worker's own."""
+    return pick_port("127.0.0.1")
 
 
 def child_env(*extra: dict[str, str] | None) -> dict[str, str]:

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import BIN, TINY, _descendants, child_env, kill_tree
+from conftest import BIN, TINY, _descendants, child_env, free_port, kill_tree
 
 from meshrun.runtime.store import hold_server
 
@@ -97,8 +97,6 @@ def _start(cmd: list[str], cwd: Path) -> subprocess.Popen:
 def test_launch_of_a_plain_script_listens_on_loopback_only(tmp_path, backend):
     """`meshrun launch` of a script calling init_process_group itself: the agent's store, rank 0's
     env:// store (c10d: a port of its own; static: the agent's) and gloo, all on 127.0.0.1."""
-    from meshrun.launch.ports import free_port
-
     script = tmp_path / "hold.py"
     script.write_text(HOLD)
     rdzv = ["--master-port", str(free_port())] if backend == "static" else []

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import atexit
 import multiprocessing
 import os
 import signal
+import socket
 import time
 from pathlib import Path
 from typing import Any
@@ -23,6 +25,7 @@ from meshrun.testing import (
     RankExitedError,
     run_distributed,
 )
+from meshrun.testing.ports import PORT_RANGE_VAR, pick_port, worker_range
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -91,7 +94,9 @@ def _kill_self() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def _plain_torch() -> tuple[float, bool]:
+def _plain_torch(marker_dir: str) -> tuple[float, bool]:
+    # A rank that returned skips the interpreter's teardown, not fn's atexit handlers.
+    atexit.register(Path(marker_dir, f"atexit{os.environ['RANK']}").write_text, "ran")
     dist.init_process_group("gloo")  # env:// from the variables run_distributed set
     t = torch.tensor([dist.get_rank() + 1.0])
     dist.all_reduce(t)
@@ -155,9 +160,29 @@ def test_children_get_launcher_env_and_one_omp_thread(probe: list[dict[str, Any]
         assert env["RANK"] == env["LOCAL_RANK"] == str(rank)
         assert env["WORLD_SIZE"] == env["LOCAL_WORLD_SIZE"] == "4"
         assert env["MASTER_ADDR"] == "127.0.0.1" and int(env["MASTER_PORT"]) > 0
+        if os.environ.get(PORT_RANGE_VAR):  # under pytest-xdist: this worker's own ports
+            lo, hi = map(int, os.environ[PORT_RANGE_VAR].split("-"))
+            assert lo <= int(env["MASTER_PORT"]) <= hi
         assert env["OMP_NUM_THREADS"] == "1" and p["torch_threads"] == 1
         assert env["MESHRUN_TEST_MARK"] == "on"
     assert "MESHRUN_TEST_MARK" not in os.environ  # the parent's environment is restored
+
+
+def test_parallel_workers_pick_ports_from_disjoint_ranges(monkeypatch) -> None:
+    ranges = [tuple(map(int, worker_range(i, 3).split("-"))) for i in range(3)]
+    assert all(a[1] < b[0] for a, b in zip(ranges, ranges[1:], strict=False)) and ranges[-1][1] < 29400
+    with socket.socket() as held, socket.socket() as neighbour:
+        held.bind(("127.0.0.1", 0))
+        port = held.getsockname()[1]
+        neighbour.bind(("127.0.0.1", port + 1))  # free now (an OSError here is a busy machine, not a bug)
+        neighbour.close()
+        monkeypatch.setenv(PORT_RANGE_VAR, f"{port}-{port + 1}")
+        assert {pick_port() for _ in range(10)} == {port + 1}  # the held one is never picked
+        monkeypatch.setenv(PORT_RANGE_VAR, f"{port}-{port}")
+        with pytest.raises(OSError, match="no free port"):
+            pick_port()
+    monkeypatch.delenv(PORT_RANGE_VAR)
+    assert pick_port() >= 1024  # the OS's choice
 
 
 def test_raising_rank_is_reported_with_rank_type_and_traceback() -> None:
@@ -242,8 +267,10 @@ def test_lambda_and_local_function_are_rejected_up_front() -> None:
     assert multiprocessing.active_children() == []
 
 
-def test_init_false_lets_fn_own_the_group() -> None:
-    assert run_distributed(_plain_torch, world_size=2, timeout=60, init=False) == [(3.0, True)] * 2
+def test_init_false_lets_fn_own_the_group_and_atexit_handlers_run(tmp_path: Path) -> None:
+    results = run_distributed(_plain_torch, world_size=2, timeout=60, init=False, args=(str(tmp_path),))
+    assert results == [(3.0, True)] * 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["atexit0", "atexit1"]
 
 
 def test_ddp_two_ranks_on_half_batches_match_one_process() -> None:

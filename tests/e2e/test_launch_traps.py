@@ -14,9 +14,7 @@ import sys
 import time
 
 import pytest
-from conftest import BIN, kill_tree, meshrun, run_proc
-
-from meshrun.launch.ports import free_port
+from conftest import BIN, free_port, kill_tree, meshrun, run_proc
 
 SILENT_HOLDER = """\
 import socket, sys, time

@@ -19,9 +19,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import BIN, EXAMPLES, kill_tree
-
-from meshrun.launch.ports import free_port
+from conftest import BIN, EXAMPLES, free_port, kill_tree
 
 ALL_REDUCE = """\
 import os, time

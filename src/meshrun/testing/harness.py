@@ -20,8 +20,8 @@ from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
 from typing import Any
 
-from meshrun.launch.ports import free_port
 from meshrun.testing.errors import NotPicklableError
+from meshrun.testing.ports import pick_port
 from meshrun.testing.report import (
     Failure,
     Unfinished,
@@ -79,7 +79,8 @@ def run_distributed(
     """Run ``fn(*args, **kwargs)`` on `world_size` spawned processes; return each rank's value.
 
     Each rank gets RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR=127.0.0.1, a free
-    MASTER_PORT and OMP_NUM_THREADS=1 (as torchrun sets them), plus `env`. With `init` (the
+    MASTER_PORT (in MESHRUN_TEST_PORTS=LO-HI when set, see meshrun.testing.ports) and
+    OMP_NUM_THREADS=1 (as torchrun sets them), plus `env`. With `init` (the
     default) the rank joins the group with ``meshrun.init(backend=backend)`` before fn and leaves
     it with ``meshrun.shutdown()`` after (``backend=None`` lets meshrun choose: NCCL on GPUs);
     with ``init=False`` fn sets up (and destroys) its own group.
@@ -168,7 +169,7 @@ def _child_env(world_size: int, env: Mapping[str, str] | None) -> dict[str, str 
         "WORLD_SIZE": str(world_size),
         "LOCAL_WORLD_SIZE": str(world_size),
         "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(free_port("127.0.0.1")),
+        "MASTER_PORT": str(pick_port("127.0.0.1")),
     }
 
 

@@ -37,7 +37,8 @@ def run_rank(
     stack_path: str,
     parent_pid: int,
 ) -> None:
-    """Run ``fn(*args, **kwargs)`` from ``payload`` as one rank; never return after a failure."""
+    """Run ``fn(*args, **kwargs)`` from ``payload`` as one rank; never returns: exit 0 after a
+    result (_exit_done), exit 1 right after a failure."""
     _exit_with_parent(parent_pid)
     faulthandler.enable()  # a segfault or abort still prints this rank's Python stack to stderr
     _arm_stack_dump(stack_path)
@@ -60,6 +61,7 @@ def run_rank(
         conn.send(("result", data))
         if init:
             meshrun.shutdown()
+        conn.close()
     except BaseException as exc:  # noqa: BLE001 - every failure, SystemExit included, is reported
         failed_at = time.time()
         _send_error(conn, exc, failed_at)
@@ -68,7 +70,21 @@ def run_rank(
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(1)
-    conn.close()
+    _exit_done()
+
+
+def _exit_done() -> None:
+    """Exit 0 as a forked process does: atexit handlers (logging's, multiprocessing's, fn's) and
+    a flush, then os._exit, skipping the interpreter's teardown of every module, which costs
+    about 0.6 s of CPU per rank once torch is imported (a quarter of a 2-rank run's CPU)."""
+    import atexit
+
+    try:
+        atexit._run_exitfuncs()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 def _send_error(conn: Connection, exc: BaseException, failed_at: float) -> None:
