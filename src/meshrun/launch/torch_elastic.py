@@ -66,7 +66,7 @@ def run_agent(config: LaunchConfig, entrypoint, args: list[str], environ: Mappin
               *, quiet: bool = True) -> None:
     """Run the elastic agent to the end, with `environ` set for it and its workers only meanwhile.
 
-    quiet: torchelastic's log lines bury the user's output and repeat what meshrun's failure summary says.
+    quiet: torchelastic's INFO/WARNING chatter buries the user's output; errors still show.
     """
     with scoped_environ(environ), _quiet_loggers(quiet), agent_store(config), _tolerant_error_files():
         elastic_launch(config=config, entrypoint=entrypoint)(*args)
@@ -179,14 +179,14 @@ def scoped_environ(updates: Mapping[str, str]) -> Iterator[None]:
 
 @contextlib.contextmanager
 def _quiet_loggers(quiet: bool) -> Iterator[None]:
-    """torchelastic's loggers at CRITICAL while the agent runs. Each of its modules' loggers sets its
+    """torchelastic's loggers at ERROR while the agent runs. Each of its modules' loggers sets its
     own level (torch's get_logger reads $LOGLEVEL), so the children are set too, not only the parents."""
     names = [name for name in list(logging.root.manager.loggerDict)
              if any(name == top or name.startswith(top + ".") for top in _CHATTY_LOGGERS)]
     loggers = [logging.getLogger(name) for name in {*_CHATTY_LOGGERS, *names}] if quiet else []
     levels = [logger.level for logger in loggers]
     for logger in loggers:
-        logger.setLevel(logging.CRITICAL)
+        logger.setLevel(logging.ERROR)  # ERROR, not above: launch/attempts.py records failed attempts from them
     try:
         yield
     finally:
