@@ -59,7 +59,7 @@ def test_dcp_failure_names_the_path_and_the_limit(tmp_path):
     assert isinstance(error, DiskWriteError) and error.exit_code == 1
     assert "checkpoint step-00000004 could not be written to" in text and str(tmp_path) in text
     assert "File too large (EFBIG)" in text and "ulimit -f" in text, text
-    assert "needs about 256.0 KB" in text and "no earlier checkpoint" in text, text
+    assert "needs about 256.0 KiB" in text and "no earlier checkpoint" in text, text
 
 
 def test_metrics_write_failure_is_one_line_naming_the_file(tmp_path):

@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 from meshrun.errors import ConfigError
+from meshrun.runtime.diskfault import human_bytes
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -34,14 +35,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--format", default="safetensors", choices=("safetensors", "torch"),
                    help="safetensors (default) or torch (torch.save of a state_dict)")
     return parser
-
-
-def _size(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return str(n)
 
 
 def _list(run: Path) -> int:
@@ -67,7 +60,7 @@ def _list(run: Path) -> int:
         step = path.name.split("-")[1].split(".")[0].lstrip("0") or "0"
         status = "ok" if bad is None else f"INVALID: {bad}"
         mark = " (latest)" if path.name == latest else ""
-        print(f"{path.name + mark:<32} {step:>8} {_size(size):>10}  {status}")
+        print(f"{path.name + mark:<32} {step:>8} {human_bytes(size):>10}  {status}")
     return 0
 
 
@@ -90,10 +83,10 @@ def _inspect(ckpt: Path, as_json: bool) -> int:
     if not info["valid"]:
         print("tensors     not read: a damaged checkpoint is never parsed beyond its manifest")
         return 1
-    print(f"tensors     {len(info['tensors'])}, {_size(total)}")
+    print(f"tensors     {len(info['tensors'])}, {human_bytes(total)}")
     width = max((len(t["name"]) for t in info["tensors"]), default=10)
     for t in info["tensors"]:
-        print(f"  {t['name']:<{width}}  {str(t['shape']):<16} {t['dtype']:<9} {_size(t['bytes']):>10}")
+        print(f"  {t['name']:<{width}}  {str(t['shape']):<16} {t['dtype']:<9} {human_bytes(t['bytes']):>10}")
     return 0 if info["valid"] else 1
 
 

@@ -28,11 +28,12 @@ def disk_fault(exc: BaseException | None) -> OSError | None:
 
 
 def human_bytes(count: float) -> str:
-    for unit in ("bytes", "KB", "MB", "GB"):
-        if count < 1024 or unit == "GB":
-            return f"{count:.0f} {unit}" if unit == "bytes" else f"{count:.1f} {unit}"
+    """A byte count in binary units, as people read it: '512 B', '256.0 KiB', '2.1 MiB', '3.0 GiB'."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if count < 1024 or unit == "GiB":
+            return f"{count:.0f} {unit}" if unit == "B" else f"{count:.1f} {unit}"
         count /= 1024
-    return f"{count:.1f} TB"  # unreachable; keeps type checkers content
+    return f"{count:.1f} GiB"  # unreachable; keeps type checkers content
 
 
 def free_bytes(path: str | Path) -> int | None:
