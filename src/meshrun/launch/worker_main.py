@@ -78,11 +78,16 @@ def _write_error_file(exc: BaseException, tb, formatted: str, hint: str | None =
             "hint": hint,
         },
     }
-    try:
-        with open(path, "w") as fp:
+    tmp = f"{path}.tmp-{os.getpid()}"
+    try:  # whole or not at all: the agent never reads a half-written file (a full disk)
+        with open(tmp, "w") as fp:
             json.dump(data, fp)
+        os.replace(tmp, path)
     except OSError:
-        pass
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
 
 
 def _mark_runtime_failed() -> None:
