@@ -53,6 +53,7 @@ class Watchdog(threading.Thread):
         self.stopped = threading.Event()
         self.store = None  # the thread's connection, once made
         self.leaving = False  # stopped by leave(), which then tells the peers; else stopped alone
+        self.counted = False  # this rank is in STOPPED_KEY: rank 0 waits for every rank's one count
 
     def leave(self) -> None:
         """This rank is done: stop, and have every peer's watchdog stop too (see `_leave`); bounded."""
@@ -62,6 +63,15 @@ class Watchdog(threading.Thread):
             self.join(timeout=2 * self.poll_s + 2)
         if self.store is not None and not self.is_alive():
             self._leave(self.store)
+        elif not self.counted:  # the thread never connected (a short script): leave through a connection of its own
+            from meshrun.debug.store import listening
+
+            try:
+                store = self.store_factory() if listening() else None
+            except Exception:  # noqa: BLE001 - the store went away: the job is ending anyway
+                store = None
+            if store is not None:
+                self._leave(store)
 
     def run(self) -> None:
         from meshrun.debug.store import listening
@@ -93,6 +103,7 @@ class Watchdog(threading.Thread):
                     self.progress.job_ending.set()
                     self.store = None
                     store.add(STOPPED_KEY, 1)
+                    self.counted = True
                     return
             except Exception:  # noqa: BLE001 - the store went away: the job is ending anyway
                 self.store = None
@@ -110,6 +121,7 @@ class Watchdog(threading.Thread):
         if not self.leaving:  # stopped alone (a shorter timeout turned it off): rank 0 need not wait for it
             try:
                 store.add(STOPPED_KEY, 1)
+                self.counted = True
             except Exception:  # noqa: BLE001
                 pass
             self.store = None
@@ -124,10 +136,15 @@ class Watchdog(threading.Thread):
         try:
             store.add(LEFT_KEY, 1)
             store.add(STOPPED_KEY, 1)
+            self.counted = True
             if self.rank != 0 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
                 return
+            # Every rank counts once (its watchdog stopping, or leave() without one), so wait for the
+            # world, not only for the watchdogs connected so far: one that connects late, after rank 0
+            # exited, would meet a closed connection and torch would log a C++ stack.
             deadline = time.monotonic() + 2 * self.poll_s + 3
-            while store.add(STOPPED_KEY, 0) < store.add(STARTED_KEY, 0) and time.monotonic() < deadline:
+            while (store.add(STOPPED_KEY, 0) < max(store.add(STARTED_KEY, 0), self.world_size)
+                   and time.monotonic() < deadline):
                 time.sleep(0.05)
         except Exception:  # noqa: BLE001 - the store went away: the job is ending anyway
             pass
