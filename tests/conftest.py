@@ -157,3 +157,14 @@ def write_script(tmp_path: Path):
         return path
 
     return _write
+
+
+def rank_log_dir(root: Path, local_rank: int, *, error: dict | None = None, stderr: str = "") -> Path:
+    """A rank's log directory as the launcher leaves it (stdout, stderr, optional error.json's meshrun block)."""
+    d = root / "job_abc" / "attempt_0" / str(local_rank)
+    d.mkdir(parents=True)
+    (d / "stdout.log").write_text("")
+    (d / "stderr.log").write_text(stderr)
+    if error:
+        (d / "error.json").write_text(json.dumps({"meshrun": error}))
+    return d

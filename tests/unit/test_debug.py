@@ -6,9 +6,9 @@ from __future__ import annotations
 import argparse
 import json
 import re
-from pathlib import Path
 
 import pytest
+from conftest import rank_log_dir
 
 from meshrun.debug.classify import classify
 from meshrun.debug.explain import explain
@@ -113,22 +113,12 @@ def test_watchdog_aborts_of_waiting_ranks_are_consequences():
     assert "Rank 1 failed first" in text and "as a consequence" in text
 
 
-def _rank_dir(root: Path, local_rank: int, *, error: dict | None = None, stderr: str = "") -> Path:
-    d = root / "job_abc" / "attempt_0" / str(local_rank)
-    d.mkdir(parents=True)
-    (d / "stdout.log").write_text("")
-    (d / "stderr.log").write_text(stderr)
-    if error:
-        (d / "error.json").write_text(json.dumps({"meshrun": error}))
-    return d
-
-
 def test_diagnose_orders_root_cause_before_consequence(tmp_path):
     run = tmp_path / "runs" / "r1"
     logs = run / "logs"
-    _rank_dir(logs, 0, error={"time": 100.0, "type": "RuntimeError", "text": "[pair.cc:538] Connection reset by peer",
+    rank_log_dir(logs, 0, error={"time": 100.0, "type": "RuntimeError", "text": "[pair.cc:538] Connection reset by peer",
                               "file": "t.py", "line": 3, "function": "f", "rank": "0"})
-    d1 = _rank_dir(logs, 1, error={"time": 100.5, "type": "ValueError", "text": DDP_CPU, "file": "t.py",
+    d1 = rank_log_dir(logs, 1, error={"time": 100.5, "type": "ValueError", "text": DDP_CPU, "file": "t.py",
                                    "line": 7, "function": "main", "rank": "1", "hint": explain("ValueError", DDP_CPU)})
     (logs / "failures.json").write_text(json.dumps({"failures": [
         {"rank": 1, "local_rank": 1, "exitcode": 1, "signal": None, "time": 100.5, "host": "nodeA",

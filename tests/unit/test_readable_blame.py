@@ -8,6 +8,8 @@ import json
 import traceback
 from pathlib import Path
 
+from conftest import rank_log_dir
+
 from meshrun.debug.postmortem import diagnose, format_diagnosis
 from meshrun.debug.readable import MESHRUN_DIR, format_exception, readable_lines, strip_cpp
 from meshrun.debug.watchdog import absent_ranks
@@ -55,16 +57,6 @@ def test_a_users_traceback_loses_meshrun_frames_and_cpp_unless_full(tmp_path):
     assert "loop.py" in format_exception(own, own.__traceback__.tb_next)
 
 
-def _rank_dir(root: Path, local_rank: int, *, error: dict | None = None, stderr: str = "") -> Path:
-    d = root / "job_abc" / "attempt_0" / str(local_rank)
-    d.mkdir(parents=True)
-    (d / "stdout.log").write_text("")
-    (d / "stderr.log").write_text(stderr)
-    if error:
-        (d / "error.json").write_text(json.dumps({"meshrun": error}))
-    return d
-
-
 def _agent(logs: Path, rows: list[tuple[int, int, Path]]) -> None:
     (logs / "failures.json").write_text(json.dumps({"failures": [
         {"rank": r, "local_rank": r, "exitcode": code, "time": 100.0 + r, "log_dir": str(d)} for r, code, d in rows]}))
@@ -72,8 +64,8 @@ def _agent(logs: Path, rows: list[tuple[int, int, Path]]) -> None:
 
 def test_diagnose_names_the_rank_a_consequence_comes_from(tmp_path):
     logs = tmp_path / "logs"
-    d0 = _rank_dir(logs, 0)  # finished and left: no error, no agent record
-    d1 = _rank_dir(logs, 1, error={"time": 101.0, "type": "DistNetworkError", "text": "Connection reset by peer",
+    d0 = rank_log_dir(logs, 0)  # finished and left: no error, no agent record
+    d1 = rank_log_dir(logs, 1, error={"time": 101.0, "type": "DistNetworkError", "text": "Connection reset by peer",
                                    "file": "t.py", "line": 3, "function": "f", "rank": "1"})
     _agent(logs, [(1, 1, d1)])
     diag = diagnose(str(logs))
@@ -86,8 +78,8 @@ def test_diagnose_blames_the_rank_the_report_names(tmp_path):
     logs = tmp_path / "logs"
     text = ("hang watchdog: no rank made progress for 5s (--hang-timeout); rank 0 is waiting in all_reduce #1 at "
             "t.py:9 in <module> for a peer; not in a collective: rank 2 (stalled in user code at t.py:4 in load)")
-    d0 = _rank_dir(logs, 0, error={"time": 100.0, "type": "HangDetected", "text": text, "rank": "0"})
-    d1, d2 = _rank_dir(logs, 1), _rank_dir(logs, 2)
+    d0 = rank_log_dir(logs, 0, error={"time": 100.0, "type": "HangDetected", "text": text, "rank": "0"})
+    d1, d2 = rank_log_dir(logs, 1), rank_log_dir(logs, 2)
     _agent(logs, [(0, 124, d0), (1, -15, d1), (2, -15, d2)])
     diag = diagnose(str(logs))
     assert diag.first.fix.startswith("rank 2 caused this"), diag.first.fix
@@ -96,7 +88,7 @@ def test_diagnose_blames_the_rank_the_report_names(tmp_path):
 def test_a_workers_meshrun_error_is_read_and_classified(tmp_path):
     logs = tmp_path / "logs"
     line = "meshrun train: error: model.factory='os:getcwd' returned str, not a torch.nn.Module"
-    d0 = _rank_dir(logs, 0, stderr=f"{line}\n")
+    d0 = rank_log_dir(logs, 0, stderr=f"{line}\n")
     _agent(logs, [(0, 2, d0)])
     diag = diagnose(str(logs))
     assert diag.first.exc_type == "MeshrunError" and "model.factory='os:getcwd'" in diag.first.exc_text
