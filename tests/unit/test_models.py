@@ -318,3 +318,16 @@ def test_user_factory_errors(user_pkg, spec, message):
     assert text.startswith(f"model.factory={spec!r}")
     assert message.format(pkg=user_pkg) in text
     assert "\n" not in text
+
+
+def test_hf_key_mapping_round_trips_and_refuses_strangers():
+    from meshrun.models.hf_keys import from_hf_key, to_hf_key
+
+    for ours, theirs in [("tok_embeddings.weight", "model.embed_tokens.weight"),
+                         ("layers.11.self_attn.q_proj.weight", "model.layers.11.self_attn.q_proj.weight"),
+                         ("norm.weight", "model.norm.weight"), ("output.weight", "lm_head.weight")]:
+        assert to_hf_key(ours) == theirs and from_hf_key(theirs) == ours
+    with pytest.raises(KeyError):
+        to_hf_key("model.layers.0.x")
+    with pytest.raises(KeyError):
+        from_hf_key("transformer.h.0.attn.c_attn.weight")
