@@ -137,11 +137,11 @@ def test_failed_async_save_keeps_the_last_commit_and_latest(tmp_path):
 def test_final_weights_on_a_full_disk_are_one_line_and_leave_no_half_file(tmp_path):
     from types import SimpleNamespace
 
-    from meshrun.train.trainer import WEIGHTS_FILE, _save_final_weights
+    from meshrun.train.setup import WEIGHTS_FILE, save_final_weights
 
     layout = SimpleNamespace(full_state_dict=lambda: dict(BIG))
     with file_size_limit(), pytest.raises(DiskWriteError) as caught:
-        _save_final_weights(layout, tmp_path, SimpleNamespace(is_main=True))
+        save_final_weights(layout, tmp_path, SimpleNamespace(is_main=True))
     text = str(caught.value)
     assert f"the final weights {WEIGHTS_FILE} could not be written to" in text and "EFBIG" in text, text
     assert "re-run the same command" in text and len(text.splitlines()) == 1

@@ -15,7 +15,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from torch import nn
 
 from meshrun.checkpoint import Checkpointer
 from meshrun.checkpoint.runs import write_finished
@@ -23,7 +22,6 @@ from meshrun.checkpoint.state import TrainState
 from meshrun.config import JobConfig
 from meshrun.data.loader import build_loaders
 from meshrun.data.tokenizer import load_tokenizer
-from meshrun.errors import ConfigError
 from meshrun.metrics.logger import MetricsLogger
 from meshrun.metrics.progress import ProgressBar
 from meshrun.metrics.system import (
@@ -40,11 +38,15 @@ from meshrun.runtime.alloc import MemoryMarks
 from meshrun.runtime.process import DistEnv
 from meshrun.train.optim import build_optimizer, build_scheduler
 from meshrun.train.seed import seed_everything
+from meshrun.train.setup import (
+    check_init_from,
+    flops_per_token,
+    layout_record,
+    resolved_seq_len,
+    save_final_weights,
+)
 
 logger = logging.getLogger(__name__)
-
-WEIGHTS_FILE = "model.pt"
-
 
 @dataclass
 class TrainResult:
@@ -123,7 +125,7 @@ def _loop(run: _Run, cfg: JobConfig, env: DistEnv, run_dir: Path) -> TrainResult
     progress.close()
     run.memory.mark_trained()
 
-    weights = _save_final_weights(layout, run_dir, env)
+    weights = save_final_weights(layout, run_dir, env)
     if env.is_main:  # after model.pt: the run is finished, and a restarted worker will not redo it
         write_finished(run_dir, tcfg.steps)
     run.memory.mark_end()
@@ -143,12 +145,12 @@ def _setup(cfg: JobConfig, env: DistEnv, run_dir: Path) -> _Run:
     meta = is_meta(model)
     if not meta:
         model = model.to(env.device)
-    seq_len = _resolved_seq_len(cfg, model)
+    seq_len = resolved_seq_len(cfg, model)
     vocab = getattr(getattr(model, "args", None), "vocab_size", None)
     num_params = sum(p.numel() for p in model.parameters())
-    flops_tok = _flops_per_token(model, seq_len)
+    flops_tok = flops_per_token(model, seq_len)
     if meta and cfg.model.init_from:
-        _check_init_from(model, cfg.model.init_from)
+        check_init_from(model, cfg.model.init_from)
     resolved = resolve_layout(ParallelOptions.from_config(cfg), env.world_size, ModelShape.from_model(model))
     layout = build_layout(model, resolved, device=env.device, seed=tcfg.seed)
     del model  # the layout holds this rank's parts now
@@ -166,7 +168,7 @@ def _setup(cfg: JobConfig, env: DistEnv, run_dir: Path) -> _Run:
     schedulers = [build_scheduler(opt, cfg.optim, tcfg.steps) for opt in optimizers]
     state = TrainState(layout.parts, optimizers, schedulers, train_batches)
     checkpointer = Checkpointer(cfg.checkpoint, run_dir=run_dir, env=env,
-                                layout=_layout_record(cfg, layout.dp_size))
+                                layout=layout_record(cfg, layout.dp_size))
     try:
         checkpointer.resume(state)  # the latest valid checkpoint (checkpoint.resume), resharded to this layout
     except BaseException:
@@ -174,18 +176,6 @@ def _setup(cfg: JobConfig, env: DistEnv, run_dir: Path) -> _Run:
         raise
     memory.mark_startup()
     return _Run(layout, state, checkpointer, val_loader, seq_len, num_params, flops_tok, memory)
-
-
-def _check_init_from(model: nn.Module, path: str) -> None:
-    """Names and shapes of `model.init_from` against the meta model: one clear line, before any
-    weight is allocated (copying into meta tensors is a no-op)."""
-    import warnings
-
-    from meshrun.checkpoint.export import load_consolidated
-
-    with warnings.catch_warnings():  # "copying ... to a meta parameter ... is a no-op": it is meant
-        warnings.simplefilter("ignore", UserWarning)
-        load_consolidated(model, path)
 
 
 def _log_step(run: _Run, cfg: JobConfig, env: DistEnv, step: int, loss, grad_norm, lr, timing,
@@ -218,58 +208,7 @@ def _evaluate(run: _Run, cfg: JobConfig, step: int, metrics: MetricsLogger, prog
     progress.write(f"step {step}: eval loss {value:.4f}")
 
 
-def _resolved_seq_len(cfg: JobConfig, model: nn.Module) -> int:
-    max_len = getattr(getattr(model, "args", None), "max_seq_len", None)
-    if max_len is not None and cfg.data.seq_len > max_len:
-        raise ConfigError(f"data.seq_len={cfg.data.seq_len} exceeds the model's max_seq_len={max_len}; "
-                          f"lower data.seq_len or set model.max_seq_len >= {cfg.data.seq_len}")
-    return cfg.data.seq_len
-
-
-def _flops_per_token(model: nn.Module, seq_len: int) -> float | None:
-    args = getattr(model, "args", None)
-    if args is None:
-        return None
-    from meshrun.models.llama import flops_per_token
-
-    return flops_per_token(args, seq_len)
-
-
-def _layout_record(cfg: JobConfig, dp_size: int) -> dict:
-    p = cfg.parallel
-    return {"strategy": p.strategy, "dp": dp_size, "dp_shard": p.dp_shard, "tp": p.tp, "pp": p.pp}
-
-
 def _sync_fn(device: torch.device):
     if device.type == "cpu":
         return None
     return lambda: torch.accelerator.synchronize(device)
-
-
-def _save_final_weights(layout: BuiltLayout, run_dir: Path, env: DistEnv) -> Path | None:
-    """Rank 0 saves the whole unwrapped model's state_dict once: plain torch loads it with weights_only.
-
-    With FSDP/TP/PP the shards and stages are gathered first (collectives on every rank).
-    """
-    state = layout.full_state_dict()
-    if not env.is_main:
-        return None
-    path = run_dir / WEIGHTS_FILE
-    tmp = path.with_suffix(".pt.tmp")
-    try:
-        torch.save(state, tmp)
-    except BaseException as exc:  # a full, read-only or failing disk: one line, not a traceback
-        from meshrun.checkpoint import write_fault as wf
-        from meshrun.runtime.diskfault import disk_write_error
-
-        failed = wf.write_failure(exc)
-        if failed is None:
-            raise
-        tmp.unlink(missing_ok=True)
-        needed = wf.state_bytes(state)
-        raise disk_write_error(wf.with_errno(failed, run_dir, needed), tmp, what=f"the final weights {WEIGHTS_FILE}",
-                               needed=needed, after="free space there, then re-run the same command: it resumes "
-                               "from the last checkpoint and writes them") from None
-    tmp.replace(path)  # atomic: a crash mid-write never leaves a half file under the real name
-    logger.info("saved %s", path)
-    return path
