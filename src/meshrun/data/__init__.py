@@ -1,6 +1,7 @@
 """Data for meshrun: tokenizers, token files, a resumable distributed sampler and the train/val loaders.
 
     meshrun data prepare book.txt --out data/book          # text -> data/book/tokens.bin + meta.json
+    meshrun data prepare train.jsonl --out data/t --tokenizer tok/   # a Hugging Face tokenizer directory
 
     from meshrun.data import ResumableDistributedSampler
     sampler = ResumableDistributedSampler(len(my_dataset), num_replicas=dp_size, rank=dp_rank, seed=0)
@@ -19,9 +20,10 @@ from meshrun.data.loader import (
     load_data_tokens,
     split_tokens,
 )
+from meshrun.data.prepare import prepare_tokens
 from meshrun.data.sampler import ResumableDistributedSampler
 from meshrun.data.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, load_tokenizer
-from meshrun.data.tokens import TokenMeta, open_token_dir, open_tokens, prepare_tokens, read_meta
+from meshrun.data.tokens import TokenMeta, open_token_dir, open_tokens, read_meta
 
 __all__ = [
     "ByteTokenizer",
