@@ -14,6 +14,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import signal
+import sys
 from array import array
 from collections import deque
 from collections.abc import Iterable, Iterator
@@ -84,12 +85,9 @@ def _init_worker(tokenizer: Tokenizer, dtype: str) -> None:
     global _worker_state
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C: the parent stops the pool, one line, no tracebacks
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one core per worker: --workers counts the cores used
-    try:
-        import torch
-
+    torch = sys.modules.get("torch")  # a library caller's: its threads would only compete with the workers
+    if torch is not None:
         torch.set_num_threads(1)
-    except ImportError:
-        pass
     _worker_state = (tokenizer, dtype)
 
 
@@ -100,8 +98,7 @@ def _encode_in_worker(batch: Batch) -> Encoded:
 
 
 def _start_method() -> str:
-    # fork: the workers inherit the loaded tokenizer (and torch, already imported) instead of
-    # importing and loading them again; where fork is missing, spawn pickles the tokenizer.
+    # fork: the workers inherit the loaded tokenizer instead of loading it again; where fork is missing, spawn pickles the tokenizer.
     return "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
 
 

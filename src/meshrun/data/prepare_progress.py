@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable
 from typing import TextIO
 
-from meshrun.metrics.progress import format_duration, format_rate
+from meshrun.units import format_duration, format_rate
 
 
 def _count(n: float) -> str:

@@ -15,12 +15,14 @@ import json
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from meshrun.data.sources import text_chunks
 from meshrun.data.tokenizer import ByteTokenizer, Tokenizer
 from meshrun.errors import DataError
+
+if TYPE_CHECKING:  # torch is imported where tokens are read: `meshrun data prepare` never needs it
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -28,7 +30,7 @@ TOKENS_FILE = "tokens.bin"
 META_FILE = "meta.json"
 FORMAT = "meshrun-tokens"
 FORMAT_VERSION = 1
-DTYPES = {"uint16": torch.uint16, "uint32": torch.uint32}
+DTYPES = ("uint16", "uint32")  # names of torch dtypes
 ITEMSIZE = {"uint16": 2, "uint32": 4}
 # Files up to this size get a full sha256 check on open (about 0.3 s); larger ones a sampled one.
 FULL_VERIFY_MAX_BYTES = 256 << 20
@@ -70,6 +72,8 @@ def dtype_for_vocab(vocab_size: int) -> str:
 
 def encode_text(text: str, tokenizer: Tokenizer) -> torch.Tensor:
     """Token ids of `text` as a 1-D int64 tensor (a fast path for the byte tokenizer)."""
+    import torch
+
     if type(tokenizer) is ByteTokenizer:  # not a subclass, which may encode differently
         return torch.frombuffer(bytearray(tokenizer.encode_bytes(text)), dtype=torch.uint8).to(torch.int64)
     return torch.tensor(tokenizer.encode(text), dtype=torch.int64)
@@ -77,6 +81,8 @@ def encode_text(text: str, tokenizer: Tokenizer) -> torch.Tensor:
 
 def encode_file(path: Path, tokenizer: Tokenizer) -> torch.Tensor:
     """A text file's ids (int64), without an end-of-text token."""
+    import torch
+
     parts = [encode_text(chunk, tokenizer) for chunk, _ in text_chunks(path)]
     return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
 
@@ -178,5 +184,7 @@ def open_token_dir(path: str | Path, *, vocab_size: int | None = None,
         raise DataError(f"token directory {path} was prepared with vocab_size {meta.vocab_size} "
                         f"({meta.tokenizer.get('spec')}), larger than the model's vocab_size {vocab_size}; "
                         "raise the model's vocab_size or prepare the data with a smaller tokenizer")
-    tokens = torch.from_file(str(bin_path), shared=False, size=meta.num_tokens, dtype=DTYPES[meta.dtype])
+    import torch
+
+    tokens = torch.from_file(str(bin_path), shared=False, size=meta.num_tokens, dtype=getattr(torch, meta.dtype))
     return tokens, meta
