@@ -76,8 +76,8 @@ def build_parser(prog: str = "meshrun data") -> argparse.ArgumentParser:
     prep.add_argument("--split", default=None, metavar="NAME",
                       help="the split of a DatasetDict directory (default: train)")
     prep.add_argument("--workers", type=_workers, default=None, metavar="N",
-                      help="processes that tokenize (default: the cores available); the output is the "
-                           "same for any N")
+                      help="processes that tokenize (default: the cores available; the byte tokenizer "
+                           "always uses 1); the output is the same for any N")
     prep.add_argument("--val-fraction", type=_fraction, default=None, metavar="F",
                       help="hold out the last F of the tokens for eval, in [0, 1); recorded in meta.json "
                            "and used instead of data.val_fraction (default: not recorded, so "
@@ -95,14 +95,14 @@ def main(argv: list[str]) -> int:
 
 
 def _prepare(args: argparse.Namespace) -> int:
-    from meshrun.data.encode import available_cores
+    from meshrun.data.encode import available_cores, effective_workers
     from meshrun.data.prepare import prepare_tokens
     from meshrun.data.prepare_progress import PrepareProgress
     from meshrun.data.tokenizer import load_tokenizer
     from meshrun.data.tokens import TOKENS_FILE
 
     tokenizer = load_tokenizer(args.tokenizer)
-    workers = args.workers or available_cores()
+    workers = effective_workers(tokenizer, args.workers or available_cores())
     meta = prepare_tokens(args.inputs, args.out, tokenizer, val_fraction=args.val_fraction,
                           text_field=args.text_field, split=args.split, workers=workers,
                           progress=PrepareProgress(workers=workers))

@@ -102,10 +102,19 @@ def _start_method() -> str:
     return "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
 
 
+def effective_workers(tokenizer: Tokenizer, workers: int) -> int:
+    """Processes worth starting: 1 for the byte tokenizer, whose encoding is a copy, cheaper than
+    sending the text to a worker and the ids back (half the speed on 2 workers, measured by
+    benchmarks/data_prepare.py --tokenizer byte)."""
+    return 1 if type(tokenizer) is ByteTokenizer else max(1, workers)
+
+
 def encode_batches(batches: Iterable[Batch], tokenizer: Tokenizer, dtype: str, *,
                    workers: int = 1) -> Iterator[Encoded]:
-    """`encode_batch` of each batch, in order: here when workers <= 1, else in `workers` processes."""
-    if workers <= 1:
+    """`encode_batch` of each batch, in order: in this process when `effective_workers` is 1,
+    else in that many worker processes."""
+    workers = effective_workers(tokenizer, workers)
+    if workers == 1:
         for batch in batches:
             yield encode_batch(batch, tokenizer, dtype)
         return
