@@ -1,14 +1,14 @@
 """The inputs of `meshrun data prepare`: text, JSON lines, Parquet and `datasets` save_to_disk
 directories, read as a stream of `Batch`es of documents (never a whole dataset in memory).
 
-    src = open_source("data/train.parquet")    # meshrun.data.prepare: the reader for a path
-    src.check("text")                      # the field exists and holds text: one DataError line if not
-    for batch in src.batches(0, "text"):   # a few MB of documents at a time
+    src = open_source("data/train.jsonl")   # meshrun.data.prepare picks the reader by path
+    src.check("text")                       # the field exists and holds text, else one DataError line
+    for batch in src.batches(0, "text"):    # about 1 MB of documents at a time
         texts = batch.documents()
 
 A .txt file is one document, read in pieces cut at line ends. A .jsonl/.json/.ndjson file is one
-JSON object per line, parsed in `Batch.documents` (so in the encoding workers). Parquet files and `datasets`
-directories are in meshrun.data.arrow_sources. Empty and null texts are skipped.
+JSON object per line, parsed in `Batch.documents` (so in the encoding workers). Parquet files and
+`datasets` directories are in meshrun.data.arrow_sources. Empty and null texts are skipped.
 """
 
 from __future__ import annotations
