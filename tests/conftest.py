@@ -168,3 +168,23 @@ def rank_log_dir(root: Path, local_rank: int, *, error: dict | None = None, stde
     if error:
         (d / "error.json").write_text(json.dumps({"meshrun": error}))
     return d
+
+
+def save_hf_tokenizer(directory: Path, texts: list[str], config: dict | None = None,
+                      special_map: dict | None = None) -> Path:
+    """A tiny byte-level BPE (vocab 320) trained on `texts`, saved as a Hugging Face tokenizer directory:
+    tokenizer.json, plus tokenizer_config.json / special_tokens_map.json when given. No download."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    specials = ["<unk>", "<s>", "</s>", "<pad>", "<|endoftext|>"]
+    tok.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=320, special_tokens=specials,
+                                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    directory.mkdir(parents=True, exist_ok=True)
+    tok.save(str(directory / "tokenizer.json"))
+    for name, content in (("tokenizer_config.json", config), ("special_tokens_map.json", special_map)):
+        if content is not None:
+            (directory / name).write_text(json.dumps(content))
+    return directory

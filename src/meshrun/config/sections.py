@@ -58,15 +58,14 @@ class DataSection(Section):
 
     section = "data"
     path: str = doc_field("", "'' = the corpus built into meshrun; else a token directory from `meshrun data prepare`, or a .txt file.")
-    tokenizer: str = doc_field("byte", "'byte' = one token per UTF-8 byte (vocab 256); else a path to a local tokenizer.json.")
+    tokenizer: str = doc_field("byte", "'byte' = one token per UTF-8 byte (vocab 256); else a local Hugging Face tokenizer directory (tokenizer.json + tokenizer_config.json: its eos ends each document) or a tokenizer.json.")
     seq_len: int = doc_field(128, "Tokens per training sample (the context length).")
     val_fraction: float = doc_field(0.05, "Share of the data held out for eval loss, 0 < x < 0.5.")
     shuffle: bool = doc_field(True, "Reshuffle the sample order every epoch (seeded by train.seed).")
     num_workers: int = doc_field(0, "DataLoader worker processes per rank; 0 = load in the training process.")
 
     def validate(self) -> None:
-        ok = self.tokenizer == "byte" or self.tokenizer.endswith(".json")
-        self.require("tokenizer", ok, "'byte' or a path to a tokenizer.json file")
+        self.require("tokenizer", bool(self.tokenizer.strip()), "'byte', a tokenizer directory or a tokenizer.json file")
         self.at_least("seq_len", 1)
         self.require("val_fraction", 0 < self.val_fraction < 0.5, "> 0 and < 0.5")
         self.at_least("num_workers", 0)

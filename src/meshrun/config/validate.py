@@ -47,7 +47,7 @@ def _check_files(cfg: JobConfig) -> None:
     for key, path, kind in (("data.path", cfg.data.path, "a token directory or a .txt file"),
                             ("model.init_from", cfg.model.init_from, "a weights file"),
                             ("data.tokenizer", "" if cfg.data.tokenizer == "byte" else cfg.data.tokenizer,
-                             "'byte' or a tokenizer.json file")):
+                             "'byte', a tokenizer directory or a tokenizer.json file")):
         if path and not os.path.exists(path):
             raise ConfigError(f"{key}={fmt(path)} not found; give {kind} (relative to {os.getcwd()})")
 
