@@ -16,8 +16,8 @@ import torch
 import torch.nn.functional as F
 from conftest import save_tiny_hf
 
-from meshrun.models.hf_load import load_hf_weights
 from meshrun.models.hf import build_hf_model
+from meshrun.models.hf_load import load_hf_weights
 from meshrun.parallel.layout import build_layout
 from meshrun.parallel.resolve import ModelShape, ParallelOptions, resolve_layout
 from meshrun.testing import run_distributed
