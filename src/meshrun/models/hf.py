@@ -37,10 +37,11 @@ def build_hf_model(path: str, vocab_size: int | None = None, *, seed: int | None
     """
     args = model_args_from_hf(path, vocab_size)  # checks the directory and the vocabulary
     model = HFCausalLM(path, args)
+    model.weights_pending = True  # materialise cheaply: the directory's weights come next
     if not any(p.is_meta for p in model.parameters()):
         from meshrun.models.hf_load import load_hf_weights
 
-        model.init_weights(seed)  # the rotary tables; the weights come next
+        model.init_weights(seed)  # the rotary tables
         load_hf_weights([model], path)
     return model
 
@@ -76,6 +77,9 @@ class HFCausalLM(nn.Module):
         self.norm: nn.Module | None = base.norm
         self.output: nn.Module | None = hf.lm_head  # the embedding's own Parameter when tied
         self.rotary_emb = base.rotary_emb
+        self.weights_pending = False
+        """True until `load_hf_weights` filled the parameters: `init_weights` then only zeroes them
+        (no full-size random tensors drawn, which would cost memory, for values about to be replaced)."""
         kinds = getattr(self.config, "layer_types", None)
         sliding = "sliding_attention" if getattr(self.config, "sliding_window", None) else "full_attention"
         self._mask_kind = {str(i): kinds[i] if kinds else sliding for i in range(len(base.layers))}
@@ -125,11 +129,17 @@ class HFCausalLM(nn.Module):
         """Deterministic init, the same in every layout: HF's scheme (normal(0, initializer_range)
         for matrices, ones for norm weights, zeros for biases), each tensor drawn on the CPU from a
         generator keyed by (seed, its name), so FSDP/TP shards get their slice of the same full
-        tensor. Also recomputes the rotary tables. A run from `model.hf` then loads the weights."""
+        tensor. Also recomputes the rotary tables. While `weights_pending` (built by
+        `build_hf_model`, not loaded yet) the parameters are only zeroed."""
         if seed is None:
             seed = int(torch.randint(0, 2**62, (1,), device="cpu").item())
         self.reset_rotary()
         self._retie()
+        if self.weights_pending:
+            for param in self.parameters():
+                if param.device.type != "meta":
+                    (param.to_local() if hasattr(param, "to_local") else param).zero_()
+            return
         std = float(getattr(self.config, "initializer_range", 0.02))
         for name, param in self.named_parameters():
             if param.device.type == "meta":

@@ -56,4 +56,8 @@ def load_hf_weights(parts: list[nn.Module], path: str) -> None:
         text = " ".join(str(exc).split())
         raise ModelError(f"model.hf={path!r}: cannot load its safetensors into the model "
                          f"({type(exc).__name__}: {text[:300]})") from exc
+    for part in parts:
+        inner = getattr(part, "module", part)
+        if hasattr(inner, "weights_pending"):
+            inner.weights_pending = False
     logger.info("loaded %d tensors from %s", len(state), path)
