@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from meshrun.errors import ConfigError, ModelError
+from meshrun.errors import ModelError
 from meshrun.models.hf_config import model_args_from_hf
 
 # transformers' TP style names (config.base_model_tp_plan) -> how meshrun applies each.
@@ -171,25 +171,14 @@ class HFCausalLM(nn.Module):
             SequenceParallel,
         )
 
-        if sequence_parallel:
-            raise ConfigError(f"parallel.sequence_parallel=true is not offered for model.hf={self.hf_dir!r} "
-                              "(HF decoder layers take their inputs as keywords); turn it off")
-        plan = getattr(self.config, "base_model_tp_plan", None) or {}
-        if not plan:
-            raise ConfigError(f"model.hf={self.hf_dir!r}: its config has no base_model_tp_plan; "
-                              "set parallel.tp=1")
+        from meshrun.parallel.rules import check_hf_tp
+
+        plan = {k.removeprefix("layers.*."): v for k, v in (getattr(self.config, "base_model_tp_plan", None)
+                                                            or {}).items() if k.startswith("layers.*.")}
+        check_hf_tp(self.hf_dir, sequence_parallel, plan, TP_STYLES)
         styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel,
                   "replicated_with_grad_allreduce": lambda: SequenceParallel(sequence_dim=-2, use_local_output=True)}
-        out = {}
-        for pattern, style in plan.items():
-            if not pattern.startswith("layers.*."):
-                continue
-            if style not in styles:
-                raise ConfigError(f"model.hf={self.hf_dir!r}: tensor-parallel style {style!r} of "
-                                  f"{pattern!r} is not supported (supported: {', '.join(TP_STYLES)}); "
-                                  "set parallel.tp=1")
-            out[pattern.removeprefix("layers.*.")] = styles[style]()
-        return out
+        return {name: styles[style]() for name, style in plan.items()}
 
 
 def _local_like(full: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
