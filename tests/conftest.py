@@ -188,3 +188,23 @@ def save_hf_tokenizer(directory: Path, texts: list[str], config: dict | None = N
         if content is not None:
             (directory / name).write_text(json.dumps(content))
     return directory
+
+
+def save_tiny_hf(path: Path, family: str = "llama", *, seed: int = 0, **overrides) -> Path:
+    """A tiny Hugging Face causal LM saved with save_pretrained into `path` (no hub): 2 layers,
+    hidden 32, 4 heads, 2 kv heads, vocab 300. family 'llama', or 'qwen3' (tied embeddings,
+    per-head q/k norms)."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
+
+    shape = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=300, max_position_embeddings=64)
+    if family == "qwen3":
+        config = Qwen3Config(**shape, head_dim=8, tie_word_embeddings=True, **overrides)
+    else:
+        config = LlamaConfig(**{**shape, **overrides})
+    torch.manual_seed(seed)
+    AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    return path

@@ -158,6 +158,10 @@ def _setup(cfg: JobConfig, env: DistEnv, run_dir: Path) -> _Run:
         from meshrun.checkpoint.export import read_consolidated
 
         layout.load_full_state_dict(read_consolidated(cfg.model.init_from))
+    if cfg.model.hf:  # this rank's shards straight from the safetensors (a resume overwrites them)
+        from meshrun.models.hf_load import load_hf_weights
+
+        load_hf_weights(layout.parts, cfg.model.hf)
 
     # ③ data: this data-parallel rank's disjoint share; the sampler reshuffles every epoch itself
     train_batches, val_loader, _ = build_loaders(
