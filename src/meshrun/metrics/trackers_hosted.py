@@ -33,15 +33,19 @@ MLFLOW_PARAM_CHARS = 6000  # mlflow's limit for one param value
 
 @contextlib.contextmanager
 def _env(name: str, value: str) -> Iterator[None]:
-    """`name=value` in os.environ for the block only, unless the user set it already."""
-    if name in os.environ:
+    """`name=value` in os.environ for the block only, unless the user set it (to a non-empty value)."""
+    before = os.environ.get(name)
+    if before:
         yield
         return
     os.environ[name] = value
     try:
         yield
     finally:
-        os.environ.pop(name, None)
+        if before is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = before
 
 
 class MlflowTracker:

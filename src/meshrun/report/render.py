@@ -71,7 +71,7 @@ def _rank_chart(run: RunData, straggler: Straggler | None) -> Chart:
 
 
 def build_charts(run: RunData, straggler: Straggler | None) -> list[Chart]:
-    """The charts: loss, throughput, lr, grad_norm and ranks (.png or .svg); every step chart marks
+    """The charts: loss, throughput, ranks, lr and grad_norm (.png or .svg); every step chart marks
     the steps the run resumed from."""
     loss = [s for s in (_series(run.train, "loss", "train loss"),
                         _series(run.eval, "eval_loss", "eval loss", markers=True)) if s]
@@ -83,10 +83,10 @@ def build_charts(run: RunData, straggler: Straggler | None) -> list[Chart]:
         Chart("loss", "Loss", "step", "loss", loss, None if loss else "no loss values logged"),
         Chart("throughput", "Throughput", "step", "tokens/s", throughput,
               f"median MFU {statistics.median(mfus):.1%}" if mfus else None, y_from_zero=True),
+        _rank_chart(run, straggler),
         Chart("lr", "Learning rate", "step", "lr", lr, None if lr else "no lr values logged", y_from_zero=True),
         Chart("grad_norm", "Gradient norm (before clipping)", "step", "norm", grad,
               None if grad else "no grad_norm values logged", y_from_zero=True),
-        _rank_chart(run, straggler),
     ]
     for chart in charts:
         chart.marks = list(run.resumed_at)
