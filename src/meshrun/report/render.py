@@ -89,7 +89,7 @@ def build_charts(run: RunData, straggler: Straggler | None) -> list[Chart]:
               None if grad else "no grad_norm values logged", y_from_zero=True),
     ]
     for chart in charts:
-        chart.marks = list(run.resumed_at)
+        chart.marks = list(run.resumed_at) if chart.series else []
     return charts
 
 
