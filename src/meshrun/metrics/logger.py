@@ -20,18 +20,16 @@ import json
 import logging
 import math
 import time
-import warnings
 from pathlib import Path
 from typing import IO, Any
 
-from meshrun.metrics.trackers import TensorBoardTracker, TrackerSet
+from meshrun.metrics.trackers import TensorBoardTracker, TrackerSet, flat_config
 from meshrun.runtime.diskfault import disk_fault, disk_write_error
 
 logger = logging.getLogger(__name__)
 
 METRICS_FILE = "metrics.jsonl"
 RANKS_DIR = "ranks"
-TENSORBOARD_DIR = "tb"
 
 
 def rank_file(run_dir: str | Path, rank: int) -> Path:
@@ -61,17 +59,14 @@ def _jsonable(value: Any) -> Any:
     return value
 
 
-def _open_tensorboard(log_dir: Path):
-    """A SummaryWriter when the `tensorboard` package is importable, else None with one info line."""
+def _open_tensorboard(run_dir: Path, config: dict[str, Any] | None) -> TensorBoardTracker | None:
+    """TensorBoard when the `tensorboard` package is importable, else None with one info line."""
     if importlib.util.find_spec("tensorboard") is None:
         logger.info("tensorboard is not installed; metrics go to metrics.jsonl only "
                     "(pip install tensorboard to get event files)")
         return None
     try:
-        with warnings.catch_warnings():  # its import chain warns about deprecated modules
-            warnings.simplefilter("ignore")
-            from torch.utils.tensorboard import SummaryWriter
-        return SummaryWriter(log_dir=str(log_dir))
+        return TensorBoardTracker.open(run_dir, None, flat_config(config or {}), run_dir.name)
     except Exception as exc:  # a broken install (protobuf mismatch, ...) must not stop training
         logger.info("tensorboard is installed but unusable (%s); metrics go to metrics.jsonl only", exc)
         return None
@@ -105,10 +100,9 @@ class MetricsLogger:
             if rank == 0:
                 self._metrics = _open_append(self.run_dir / METRICS_FILE)
         if rank == 0:
-            writer = _open_tensorboard(self.run_dir / TENSORBOARD_DIR) if (
+            board = _open_tensorboard(self.run_dir, config) if (
                 tensorboard and "tensorboard" not in trackers) else None
-            best_effort = [TensorBoardTracker(writer)] if writer is not None else []
-            self._trackers = TrackerSet.open(trackers, self.run_dir, config=config, extra=best_effort)
+            self._trackers = TrackerSet.open(trackers, self.run_dir, config=config, extra=[board] if board else [])
 
     @property
     def metrics_path(self) -> Path:

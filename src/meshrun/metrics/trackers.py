@@ -26,6 +26,7 @@ from typing import Any, Protocol
 logger = logging.getLogger(__name__)
 
 STATE_FILE = "trackers.json"
+TENSORBOARD_DIR = "tb"
 PROJECT = "meshrun"  # the MLflow experiment, W&B project and trackio project, unless the user names one
 MAX_STATE_BYTES = 64 * 1024
 
@@ -95,11 +96,11 @@ class TensorBoardTracker:
         self.writer = writer
 
     @classmethod
-    def open(cls, run_dir: Path, state: TrackerState, config: dict[str, Any], run_name: str) -> TensorBoardTracker:
+    def open(cls, run_dir: Path, state: TrackerState | None, config: dict[str, Any], run_name: str) -> TensorBoardTracker:
         with warnings.catch_warnings():  # its import chain warns about deprecated modules
             warnings.simplefilter("ignore")
             from torch.utils.tensorboard import SummaryWriter
-        tracker = cls(SummaryWriter(log_dir=str(run_dir / "tb")))
+        tracker = cls(SummaryWriter(log_dir=str(run_dir / TENSORBOARD_DIR)))
         if config:
             rows = "\n".join(f"| {key} | {value!r} |" for key, value in config.items())
             tracker.writer.add_text("config", "| key | value |\n|---|---|\n" + rows)
