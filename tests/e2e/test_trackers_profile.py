@@ -27,12 +27,22 @@ with MetricsLogger(sys.argv[1], rank=0, tensorboard=False, trackers=("mlflow", "
     for step in (5, 6):
         metrics.log_train(step, loss=1.0 / step, lr=1e-3, grad_norm=0.5)
     metrics.log_meta(event="end", tokens_per_s=123.0)
-# trackio's own reader, on the database meshrun pointed it at (runs/<name>/trackio)
-import json
-from trackio.sqlite_storage import SQLiteStorage
+# read back here, where mlflow and trackio are imported already: each library's own reader
+import json, os
+from pathlib import Path
+from mlflow.tracking import MlflowClient
+from trackio.sqlite_storage import SQLiteStorage  # on the database meshrun pointed it at
+run = Path(sys.argv[1])
+os.environ["MLFLOW_ALLOW_FILE_STORE"] = "true"
+client = MlflowClient(tracking_uri=(run / "mlruns").resolve().as_uri())
+run_id = json.loads((run / "trackers.json").read_text())["mlflow_run_id"]
+mlrun = client.get_run(run_id)
 runs = SQLiteStorage.get_runs("meshrun")
-print(json.dumps({"runs": runs, "logs": SQLiteStorage.get_logs("meshrun", runs[0]),
-                  "config": SQLiteStorage.get_run_config("meshrun", runs[0])}))
+print(json.dumps({"mlflow": {"steps": sorted(m.step for m in client.get_metric_history(run_id, "train/loss")),
+                             "params": mlrun.data.params, "metrics": mlrun.data.metrics,
+                             "tags": mlrun.data.tags, "status": mlrun.info.status},
+                  "trackio": {"runs": runs, "logs": SQLiteStorage.get_logs("meshrun", runs[0]),
+                              "config": SQLiteStorage.get_run_config("meshrun", runs[0])}}))
 """
 
 
@@ -67,16 +77,11 @@ def test_four_trackers_and_profile_on_two_processes(tmp_path, monkeypatch):
     assert {"train/lr", "train/grad_norm", "train/tokens_per_s", "eval/loss"} <= set(events.Tags()["scalars"])
 
     # MLflow: the local file store, through MlflowClient; the resumed session continued the same run
-    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
-    from mlflow.tracking import MlflowClient
-
-    client = MlflowClient(tracking_uri=(run / "mlruns").resolve().as_uri())
-    history = client.get_metric_history(ids["mlflow_run_id"], "train/loss")
-    assert sorted(m.step for m in history) == [1, 2, 3, 4, 5, 6]
-    mlrun = client.get_run(ids["mlflow_run_id"])
-    assert mlrun.data.params["train.steps"] == str(STEPS) and mlrun.data.params["metrics.interval"] == "1"
-    assert mlrun.data.metrics["summary/tokens_per_s"] == 123.0 and mlrun.info.status == "FINISHED"
-    assert "summary.final_loss" in mlrun.data.tags
+    read = json.loads(resumed.stdout.strip().splitlines()[-1])
+    mlrun = read["mlflow"]
+    assert mlrun["steps"] == [1, 2, 3, 4, 5, 6] and mlrun["status"] == "FINISHED"
+    assert mlrun["params"]["train.steps"] == str(STEPS) and mlrun["params"]["metrics.interval"] == "1"
+    assert mlrun["metrics"]["summary/tokens_per_s"] == 123.0 and "summary.final_loss" in mlrun["tags"]
 
     # W&B: offline runs under the run directory (one per session, one id), read by wandb's reader
     offline = sorted((run / "wandb").glob(f"offline-run-*-{ids['wandb_id']}/run-{ids['wandb_id']}.wandb"))
@@ -89,7 +94,7 @@ def test_four_trackers_and_profile_on_two_processes(tmp_path, monkeypatch):
     assert first["summary"]["train/loss"] == pytest.approx(first["summary"]["final_loss"])
 
     # trackio: its SQLite database under the run directory, read back by trackio's storage API
-    stored = json.loads(resumed.stdout.strip().splitlines()[-1])
+    stored = read["trackio"]
     assert stored["runs"] == ["tracked"] and stored["config"]["train.steps"] == 6  # the latest session's
     assert sorted({row["step"] for row in stored["logs"] if "train/loss" in row}) == [1, 2, 3, 4, 5, 6]
 
