@@ -10,6 +10,7 @@ import re
 from dataclasses import dataclass, field, fields
 
 from meshrun.config.base import Section, doc_field, fmt
+from meshrun.config.trackers import check_tracker_names, tracker_names
 from meshrun.errors import ConfigError
 from meshrun.parallel.resolve import DTYPE_NAMES, ParallelOptions, check_options
 
@@ -181,11 +182,18 @@ class MetricsSection(Section):
 
     section = "metrics"
     interval: int = doc_field(10, "Steps between metric rows (loss, lr, grad norm, tokens/s, step time, memory).")
-    tensorboard: bool = doc_field(True, "Also write TensorBoard events, when tensorboard is installed.")
+    tensorboard: bool = doc_field(True, "Also write TensorBoard events, when tensorboard is installed (best effort; 'tensorboard' in trackers makes it required).")
     jsonl: bool = doc_field(True, "Write <run dir>/metrics.jsonl, one JSON object per row.")
+    trackers: str = doc_field("", "Experiment trackers, rank 0, local files by default: any of 'tensorboard', 'mlflow', 'wandb', 'trackio', e.g. [\"mlflow\", \"wandb\"]; [] = none besides tensorboard above.", list_ok=True)
 
     def validate(self) -> None:
         self.at_least("interval", 1)
+        check_tracker_names(self.trackers)
+
+    @property
+    def tracker_names(self) -> tuple[str, ...]:
+        """`trackers` as names: "mlflow,wandb" -> ("mlflow", "wandb")."""
+        return tracker_names(self.trackers)
 
 
 @dataclass(frozen=True)

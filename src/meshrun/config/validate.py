@@ -18,6 +18,7 @@ import sys
 
 from meshrun.config.base import fmt
 from meshrun.config.sections import JobConfig
+from meshrun.config.trackers import check_trackers_installed
 from meshrun.errors import ConfigError, MeshrunError
 from meshrun.writable import check_creatable_dir
 
@@ -37,6 +38,7 @@ def check_job(cfg: JobConfig, *, nproc_per_node: str = "auto", nnodes: str = "1"
         check_creatable_dir(os.path.join(cfg.train.run_dir, cfg.train.name), "train.run_dir/train.name",
                             fix="choose a shorter train.name")
     _check_files(cfg)
+    check_trackers_installed(cfg.metrics.tracker_names)  # a missing extra: one line before any worker
     if cfg.model.factory:
         check_factory_module(cfg.model.factory)
     else:
