@@ -124,3 +124,16 @@ def test_metrics_rows_are_only_ever_appended(tmp_path):
         metrics.log_eval(8, eval_loss=2.0)
     after = (tmp_path / "metrics.jsonl").read_bytes()
     assert after.startswith(before) and after.count(b'"eval"') == 2
+
+
+def test_recording_settings_may_change_between_starts_the_training_ones_may_not():
+    import dataclasses
+
+    from meshrun.checkpoint.history import first_difference
+    from meshrun.config import load_config
+
+    saved = load_config(None, [])
+    more = dataclasses.replace(saved, metrics=dataclasses.replace(saved.metrics, trackers="tensorboard", interval=3))
+    assert first_difference(saved, more) is None  # adding a tracker on resume needs no --force
+    lr = dataclasses.replace(saved, optim=dataclasses.replace(saved.optim, lr=saved.optim.lr * 2))
+    assert first_difference(saved, lr).startswith("optim.lr=")

@@ -65,7 +65,7 @@ def test_a_missing_tracker_library_is_one_line_naming_the_extra_before_any_worke
     result = run_proc([sys.executable, "-c", BLOCKED, str(tmp_path / "runs")], timeout=60)
     assert result.returncode == 2, result.output
     lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and "metrics.trackers names 'mlflow' but mlflow is not installed" in lines[0]
+    assert len(lines) == 1 and "metrics.trackers naming 'mlflow' needs mlflow" in lines[0]
     assert "pip install 'meshrun[mlflow]'" in lines[0]
     assert not (tmp_path / "runs").exists()  # refused before anything was created
 

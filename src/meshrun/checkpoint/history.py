@@ -21,7 +21,9 @@ from meshrun.errors import ConfigError, MeshrunError
 
 FORCE_HINT = "add --force to do so, or start a new run with --set train.name=NEW"
 # Per-start choices, not the run's settings: they may differ from start to start.
-_PER_START = {"launch", "checkpoint.resume", "train.name", "train.run_dir"}
+# Keys a later start may change freely: where and how to start, and what is recorded about the run
+# (metrics cadence, trackers): none of them changes the weights, so none needs --force.
+_PER_START = {"launch", "checkpoint.resume", "train.name", "train.run_dir", "metrics"}
 
 
 @dataclasses.dataclass

@@ -48,9 +48,11 @@ def installed(name: str) -> bool:
 
 
 def missing_extra_message(name: str) -> str:
-    module, extra = TRACKERS[name]
-    return (f"{KEY} names {name!r} but {module} is not installed; "
-            f"pip install 'meshrun[{extra}]' (or 'meshrun[trackers]' for all four), or remove it from {KEY}")
+    """extras.py's one wording, plus this key's ways out."""
+    from meshrun import extras
+
+    return (extras.missing_extra_message(TRACKERS[name][0], f"{KEY} naming {name!r}")
+            + f" (or 'meshrun[trackers]' for all four), or remove it from {KEY}")
 
 
 def check_trackers_installed(names: tuple[str, ...]) -> None:

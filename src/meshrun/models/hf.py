@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from meshrun.errors import ModelError
+from meshrun.extras import missing_extra_message
 from meshrun.models.hf_config import model_args_from_hf
 
 # transformers' TP style names (config.base_model_tp_plan) -> how meshrun applies each.
@@ -50,7 +51,7 @@ def _hf_config(path: str) -> Any:
     try:
         from transformers import AutoConfig
     except ImportError:
-        raise ModelError("model.hf needs transformers: pip install 'meshrun[hf]'") from None
+        raise ModelError(missing_extra_message("transformers", "model.hf")) from None
     return AutoConfig.from_pretrained(path, local_files_only=True)
 
 
