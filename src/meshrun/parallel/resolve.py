@@ -18,9 +18,10 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
 
-from meshrun.parallel import rules
+from meshrun.parallel import rules, rules_pp
 from meshrun.parallel.dims import ParallelDims
-from meshrun.parallel.rules import DEGREES, DTYPE_NAMES, SCHEDULES, STRATEGIES, PipelinePlan
+from meshrun.parallel.rules import DEGREES, DTYPE_NAMES, STRATEGIES
+from meshrun.parallel.rules_pp import SCHEDULES, PipelinePlan
 
 if TYPE_CHECKING:  # no meshrun.config import, not even here: config imports this module
     import torch
@@ -197,7 +198,7 @@ def resolve_layout(options: ParallelOptions, world_size: int, model: ModelShape 
                             tie_embeddings=shape.tie_embeddings)
     pipeline = None
     if dims.pp > 1:
-        pipeline = rules.plan_pipeline(
+        pipeline = rules_pp.plan_pipeline(
             pp=dims.pp, schedule=options.pp_schedule, stages_per_rank=options.pp_stages_per_rank,
             split_points=options.pp_split_points, n_layers=shape.n_layers,
             batch_size=options.batch_size, microbatches=options.pp_microbatches,
