@@ -36,11 +36,11 @@ TRAIN_KEYS = ("batch_size", "grad_accum", "dtype", "activation_checkpointing")
 
 
 def torch_dtype(name: str) -> torch.dtype:
-    """'fp32' -> torch.float32, 'bf16' -> torch.bfloat16 (the one table; torch loads here)."""
+    """'fp32' -> torch.float32, 'bf16' -> torch.bfloat16, 'fp16' -> torch.float16 (the one table)."""
     import torch
 
     rules.check_choice("dtype", name, DTYPE_NAMES)
-    return {"fp32": torch.float32, "bf16": torch.bfloat16}[name]
+    return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[name]
 
 
 @dataclass(frozen=True)
@@ -183,6 +183,7 @@ def check_options(options: ParallelOptions) -> None:
     rules.check_count("train.grad_accum", o.grad_accum, 1)
     rules.check_choice("train.dtype", o.dtype, DTYPE_NAMES)
     rules.check_tp_features(o.tp, o.pp, o.sequence_parallel, o.loss_parallel)
+    rules.check_precision(o.dtype, o.pp, o.param_dtype)
 
 
 def resolve_layout(options: ParallelOptions, world_size: int, model: ModelShape | None = None) -> Layout:
@@ -192,6 +193,7 @@ def resolve_layout(options: ParallelOptions, world_size: int, model: ModelShape 
     degrees = rules.resolve_degrees(stated_degrees(options), world_size, strategy=options.strategy)
     dims = ParallelDims(**degrees, world_size=world_size)
     rules.check_tp_features(dims.tp, dims.pp, options.sequence_parallel, options.loss_parallel)
+    rules.check_precision(options.dtype, dims.pp, options.param_dtype)
     shape = model or ModelShape()
     rules.check_model_shape(tp=dims.tp, pp=dims.pp, world_size=world_size, n_heads=shape.n_heads,
                             n_kv_heads=shape.n_kv_heads or shape.n_heads, n_layers=shape.n_layers,

@@ -18,7 +18,7 @@ from meshrun.errors import ConfigError
 
 STRATEGIES = ("ddp", "fsdp")
 DEGREES = ("dp_replicate", "dp_shard", "tp", "pp")
-DTYPE_NAMES = ("fp32", "bf16")  # `meshrun.parallel.resolve.torch_dtype` maps them to torch
+DTYPE_NAMES = ("fp32", "bf16", "fp16")  # `meshrun.parallel.resolve.torch_dtype` maps them to torch
 MODEL_KEYS = ("n_heads", "n_kv_heads", "n_layers", "tie_embeddings")  # what the rules read of a model
 
 
@@ -134,6 +134,38 @@ def check_tp_features(tp: int, pp: int, sequence_parallel: bool, loss_parallel: 
         raise ConfigError(f"{keys} {'does' if one else 'do'} not compose with parallel.pp={pp} (pipeline "
                           f"stages send plain tensors); turn {'it' if one else 'them'} off or set parallel.pp=1")
 
+
+
+def check_precision(dtype: str, pp: int, param_dtype: str = "auto") -> None:
+    """fp16 needs its gradient scaler: the pipeline schedule computes (and backpropagates) the
+    loss itself, where no scaler multiplies it; and fp16 FSDP parameters need train.dtype fp16."""
+    if dtype == "fp16" and pp > 1:
+        raise ConfigError(f"train.dtype='fp16' needs a loss scale, which the pipeline schedule of "
+                          f"parallel.pp={pp} does not apply; use train.dtype='bf16' or parallel.pp=1")
+    if param_dtype == "fp16" and dtype != "fp16":
+        raise ConfigError(f"parallel.param_dtype='fp16' computes in fp16 without a gradient scaler under "
+                          f"train.dtype={dtype!r}; set train.dtype='fp16' (it scales) or param_dtype 'auto'")
+
+
+# What torch 2.13's optimizers cannot do on DTensor parameters (FSDP, TP), measured here:
+# Adafactor's row/column norms need in-place placement changes (both kernels), and fused SGD
+# has no sharding rule (fused Adam/AdamW have one; `optim.implementation = "auto"` avoids it).
+NO_DTENSOR = {("adafactor", "fused"), ("adafactor", "foreach"), ("adafactor", "for-loop"),
+              ("adafactor", "auto"), ("sgd", "fused")}
+
+
+def updates_shards(name: str, implementation: str) -> bool:
+    """Whether optimizer `name` with this kernel can update DTensor parameters."""
+    return (name, implementation) not in NO_DTENSOR
+
+
+def check_optimizer_shards(name: str, implementation: str) -> None:
+    """An optimizer (and kernel) that must update DTensor shards (FSDP, TP) can do so."""
+    if not updates_shards(name, implementation):
+        what = f"optim.name={name!r}" + (f" with optim.implementation={implementation!r}" if name == "sgd" else "")
+        fix = "use optim.implementation='foreach'" if name == "sgd" else "use another optim.name"
+        raise ConfigError(f"{what} cannot update FSDP/TP parameter shards (DTensors) on torch 2.13; {fix}, "
+                          "or parallel.strategy='ddp' without sharding")
 
 
 def model_shape_of(args: Any) -> dict[str, Any]:

@@ -35,7 +35,7 @@ from meshrun.parallel.rules import DTYPE_NAMES, check_choice
 from meshrun.parallel.rules_pp import default_stages_per_rank
 from meshrun.plan.show import stage_of_block
 
-DTYPE_BYTES = {"fp32": 4, "bf16": 2}
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 assert tuple(DTYPE_BYTES) == DTYPE_NAMES, "one element size per dtype name"
 
 
