@@ -101,11 +101,16 @@ class MuonWithAdamW(torch.optim.Optimizer):
     two torch optimizers (torch.distributed.checkpoint takes a list of them per model part).
     """
 
+    @property
+    def param_groups(self) -> list[dict]:
+        # Read anew each time: an inner load_state_dict replaces its group dicts, and a list
+        # kept from before would leave the scheduler setting the lr of groups no longer used.
+        return [g for o in self.optimizers for g in o.param_groups]
+
     def __init__(self, muon: torch.optim.Optimizer, adamw: torch.optim.Optimizer | None):
         # No super().__init__: the groups and state belong to the two inner optimizers.
         self.optimizers = tuple(o for o in (muon, adamw) if o is not None)
         self.defaults = dict(muon.defaults)
-        self.param_groups = [g for o in self.optimizers for g in o.param_groups]
         self.state = {}  # per-parameter state lives in the inner optimizers
         self._optimizer_step_pre_hooks = {}
         self._optimizer_step_post_hooks = {}
