@@ -28,7 +28,7 @@ pytestmark = pytest.mark.timeout(300)
 
 TINY = Path(__file__).resolve().parents[2] / "examples" / "configs" / "tiny.toml"
 STEPS = 6
-BASE = [f"train.steps={STEPS}", "train.eval_interval=0", "train.eval_steps=1", "metrics.interval=1",
+BASE = [f"train.steps={STEPS}", "optim.warmup_steps=2", "train.eval_interval=0", "train.eval_steps=1", "metrics.interval=1",
         "metrics.tensorboard=false", "model.tie_embeddings=false", "checkpoint.interval=0"]
 ONE = ["train.batch_size=8"]  # the global batch, 8 windows, in every layout
 LAYOUTS = {

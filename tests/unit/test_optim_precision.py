@@ -104,11 +104,11 @@ def test_muon_takes_the_hidden_matrices_and_adamw_the_rest():
     assert len(opt.param_groups) == len(muon.param_groups) + len(adamw.param_groups)
 
 
-def test_auto_picks_fused_where_torch_has_it_else_foreach():
+def test_auto_picks_fused_where_torch_has_it_else_torchs_default():
     params = list(_model().parameters())
     assert implementation_kwargs("adamw", "auto", params) == {"fused": True}
     assert implementation_kwargs("sgd", "auto", params) == {"fused": True}
-    assert implementation_kwargs("adafactor", "auto", params) == {"foreach": True}
+    assert implementation_kwargs("adafactor", "auto", params) == {}  # torch's default: for-loop on CPU
     assert implementation_kwargs("adam", "for-loop", params) == {"foreach": False}
     assert implementation_kwargs("adam", "foreach", params) == {"foreach": True}
 

@@ -121,7 +121,7 @@ class OptimSection(Section):
     eps: float = doc_field(1e-8, "Adam/AdamW denominator epsilon, > 0.")
     momentum: float = doc_field(0.9, "SGD momentum, in [0, 1); 0 = plain SGD.")
     nesterov: bool = doc_field(False, "SGD with Nesterov momentum (needs momentum > 0).")
-    implementation: str = doc_field("auto", "'auto' = the fused kernel where the optimizer has one for the device, else 'foreach'; or 'fused', 'foreach', 'for-loop'.")
+    implementation: str = doc_field("auto", "'auto' = the fused kernel where the optimizer has one for the device, else torch's default (foreach on GPUs, for-loop on CPU); or 'fused', 'foreach', 'for-loop'.")
     warmup_steps: int = doc_field(30, "Steps of linear warmup from 0 to lr; 0 = start at lr.")
     schedule: str = doc_field("cosine", "After warmup: 'cosine' or 'linear' decay to min_lr, 'constant' at lr, or 'wsd' (stable at lr, then linear decay over decay_fraction).")
     decay_fraction: float = doc_field(0.2, "With schedule 'wsd': share of the steps after warmup spent decaying, in (0, 1].")
