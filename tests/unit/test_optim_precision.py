@@ -18,7 +18,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from meshrun.checkpoint.state import inner_optimizers
-from meshrun.config import OptimSection
+from meshrun.config import OptimSection, load_config
 from meshrun.errors import ConfigError
 from meshrun.models.llama import ModelArgs, Transformer
 from meshrun.parallel.rules import check_optimizer_shards
@@ -146,6 +146,9 @@ def test_optimizers_that_cannot_update_dtensor_shards_are_refused():
         check_optimizer_shards("sgd", "fused")
     check_optimizer_shards("sgd", "auto")  # auto takes foreach for DTensors
     check_optimizer_shards("muon", "auto")
+    with pytest.raises(ConfigError, match="optim.name='adafactor' cannot update"):  # at config time
+        load_config(None, ["optim.name=adafactor", "parallel.strategy=fsdp"])
+    load_config(None, ["optim.name=adafactor", "parallel.strategy=fsdp", "parallel.dp_replicate=2"])  # no shards
 
 
 def test_muon_state_round_trip_continues_exactly():

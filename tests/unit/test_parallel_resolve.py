@@ -210,6 +210,7 @@ def test_resolve_imports_no_torch():
 MESSAGES = [
     "needs a loss scale, which the pipeline schedule",
     "computes in fp16 without a gradient scaler",
+    "cannot update FSDP/TP parameter shards",
     "an integer >= 1 or -1 (the ranks left)",
     "world size must be an integer >= 1",
     "may be -1, ",

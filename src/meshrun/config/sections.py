@@ -12,6 +12,7 @@ from dataclasses import dataclass, field, fields
 from meshrun.config.base import Section, doc_field, fmt
 from meshrun.errors import ConfigError
 from meshrun.parallel.resolve import DTYPE_NAMES, ParallelOptions, check_options
+from meshrun.parallel.rules import check_optimizer_shards, shards_parameters
 
 SCHEDULES = ("cosine", "constant", "linear", "wsd")  # optim.schedule (meshrun.train.schedules)
 OPTIMIZERS = ("adamw", "adam", "sgd", "adafactor", "muon")  # optim.name (meshrun.train.optimizers)
@@ -246,6 +247,8 @@ class JobConfig:
             if not isinstance(getattr(self, name), cls):
                 raise ConfigError(f"{name} must be a {cls.__name__}, got {fmt(getattr(self, name))}")
         model, data = self.model, self.data
+        if shards_parameters(self.parallel.strategy, ParallelOptions.from_sections(self.parallel).degrees):
+            check_optimizer_shards(self.optim.name, self.optim.implementation)
         if model.max_seq_len and data.seq_len > model.max_seq_len:
             raise ConfigError(
                 f"data.seq_len ({data.seq_len}) must be <= model.max_seq_len ({model.max_seq_len}); "

@@ -168,6 +168,12 @@ def check_optimizer_shards(name: str, implementation: str) -> None:
                           "or parallel.strategy='ddp' without sharding")
 
 
+def shards_parameters(strategy: str, degrees: dict[str, int]) -> bool:
+    """Whether a layout makes parameters DTensors: FSDP sharding or TP (-1 counts as more than 1)."""
+    out = strategy_degrees(strategy, degrees)
+    return strategy == "fsdp" and (out["dp_shard"] != 1 or out["tp"] != 1)
+
+
 def model_shape_of(args: Any) -> dict[str, Any]:
     """n_heads, n_kv_heads (n_heads when unset), n_layers, tie_embeddings of an args object;
     None for what it does not say (a user model)."""
