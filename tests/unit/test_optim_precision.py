@@ -144,7 +144,7 @@ def test_optimizers_that_cannot_update_dtensor_shards_are_refused():
         check_optimizer_shards("adafactor", "auto")
     with pytest.raises(ConfigError, match="optim.name='sgd' with optim.implementation='fused' cannot"):
         check_optimizer_shards("sgd", "fused")
-    check_optimizer_shards("sgd", "auto")  # auto takes foreach for DTensors
+    check_optimizer_shards("sgd", "auto")  # auto leaves DTensors to torch's default kernel
     check_optimizer_shards("muon", "auto")
     with pytest.raises(ConfigError, match="optim.name='adafactor' cannot update"):  # at config time
         load_config(None, ["optim.name=adafactor", "parallel.strategy=fsdp"])
