@@ -10,8 +10,8 @@ step 3, whose final weights must equal the uninterrupted run's bit for bit.
 
 Every layout sees the same global batch (8 windows per step). Tolerances, measured here over 6
 steps against the fp32 one-process run (see BF16_TOL): bf16 and fp16 autocast keep 8 and 11
-mantissa bits of the matmul inputs, so their losses drift from fp32 by about 1e-3; the same
-precision in another layout differs from its one-process run by reduction order only.
+mantissa bits of the matmul inputs, so their losses drift from fp32 by a few 1e-4; the same
+precision in another layout differs from its one-process run by rounding order only.
 """
 
 from __future__ import annotations
@@ -54,12 +54,13 @@ PAIRS = {
     "muon_wsd_fp16": ["optim.name=muon", "optim.schedule=wsd", "train.dtype=fp16", *LAYOUTS["fsdp"]],
 }
 RESUME_AT = 3
-# Measured here, max over the 6 steps: one-process bf16 vs fp32 2.4e-4; bf16 DDP / TP / PP / FSDP
-# vs one-process bf16 1.3e-4 / 2.2e-4 / 1.4e-4 / 8.0e-4 (FSDP also all-gathers bf16 weights), vs
-# one-process fp32 2.0e-4 / 4.6e-5 / 2.6e-4 / 5.6e-4; fp16 FSDP vs fp32 5.2e-5.
+# Measured here, max over the 6 steps: one-process bf16 vs fp32 3.6e-4; bf16 DDP / TP / PP / FSDP
+# vs one-process bf16 1.1e-4 / 3.4e-4 / 1.4e-4 / 7.8e-4 (FSDP also all-gathers bf16 weights), vs
+# one-process fp32 3.3e-4 / 2.5e-4 / 2.3e-4 / 6.0e-4; fp16 FSDP vs fp32 1.5e-4.
 BF16_TOL = 2e-3  # |loss - fp32 one-process loss|, bf16 or fp16, any layout
+AUTOCAST_MIN = 1e-5  # ... and above this, or the layout ran without autocast (fp32 layouts match within it)
 SAME_DTYPE_TOL = 2e-3  # |loss - bf16 one-process loss|
-RESHARD_TOL = 5e-4  # Muon + fp16, FSDP-2 checkpoint resumed on one process; measured 5.4e-5
+RESHARD_TOL = 5e-4  # Muon + fp16, FSDP-2 checkpoint resumed on one process; measured 5.7e-5
 
 
 def _train_runs(root: str, runs: dict[str, list[str]]) -> dict[str, dict]:
@@ -136,7 +137,7 @@ def test_mixed_precision_trains_like_one_process(runs, name):
     got = runs[name]["losses"]
     if dtype == "bf16":
         assert _max_diff(got, runs["one_bf16"]["losses"]) < SAME_DTYPE_TOL
-    assert _max_diff(got, runs["one_fp32"]["losses"]) < BF16_TOL
+    assert AUTOCAST_MIN < _max_diff(got, runs["one_fp32"]["losses"]) < BF16_TOL
     assert got[STEPS] < got[1] - 0.3, got  # it trains
     if dtype == "fp16":
         assert runs[name]["skipped"] == [0] * STEPS  # 65536 leaves room: nothing overflows
