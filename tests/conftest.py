@@ -168,3 +168,43 @@ def rank_log_dir(root: Path, local_rank: int, *, error: dict | None = None, stde
     if error:
         (d / "error.json").write_text(json.dumps({"meshrun": error}))
     return d
+
+
+def save_hf_tokenizer(directory: Path, texts: list[str], config: dict | None = None,
+                      special_map: dict | None = None) -> Path:
+    """A tiny byte-level BPE (vocab 320) trained on `texts`, saved as a Hugging Face tokenizer directory:
+    tokenizer.json, plus tokenizer_config.json / special_tokens_map.json when given. No download."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    specials = ["<unk>", "<s>", "</s>", "<pad>", "<|endoftext|>"]
+    tok.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=320, special_tokens=specials,
+                                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    directory.mkdir(parents=True, exist_ok=True)
+    tok.save(str(directory / "tokenizer.json"))
+    for name, content in (("tokenizer_config.json", config), ("special_tokens_map.json", special_map)):
+        if content is not None:
+            (directory / name).write_text(json.dumps(content))
+    return directory
+
+
+def save_tiny_hf(path: Path, family: str = "llama", *, seed: int = 0, **overrides) -> Path:
+    """A tiny Hugging Face causal LM saved with save_pretrained into `path` (no hub): 2 layers,
+    hidden 32, 4 heads, 2 kv heads, vocab 300. family 'llama', or 'qwen3' (tied embeddings,
+    per-head q/k norms)."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
+
+    shape = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=300, max_position_embeddings=64)
+    if family == "qwen3":
+        config = Qwen3Config(**shape, head_dim=8, tie_word_embeddings=True, **overrides)
+    else:
+        config = LlamaConfig(**{**shape, **overrides})
+    torch.manual_seed(seed)
+    AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    return path

@@ -75,6 +75,14 @@ def _build_all(world_size: int) -> dict[str, dict]:
                      "rope": _rope(layout.parts),
                      "local_numel": sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel()
                                         for part in layout.parts for p in part.parameters())}
+    if world_size > 1:  # a tied output projection stays tied through the meta build, sharded or not
+        out["tied"] = {}
+        for name in ("ddp2", "fsdp2"):
+            model = build_meta_model(_Cfg(**{**MODEL, "tie_embeddings": True}), 64, seed=SEED)
+            resolved = resolve_layout(ParallelOptions.from_sections(LAYOUTS_2[name], TRAIN), world_size,
+                                      ModelShape.from_model(model))
+            inner = unwrap_model(build_layout(model, resolved, device=torch.device("cpu"), seed=SEED).parts[0])
+            out["tied"][name] = inner.output.weight is inner.tok_embeddings.weight
     return out
 
 
@@ -109,6 +117,7 @@ def test_meta_build_equals_eager_build_on_two_ranks():
     for rank, result in enumerate(results):
         for name in LAYOUTS_2:
             _check(result[name], rank, name)
+        assert result["tied"] == {"ddp2": True, "fsdp2": True}, result["tied"]
         # what a rank holds: sharded and split layouts hold a part, replicated ones the whole
         assert result["ddp2"]["local_numel"] == total
         for name in ("fsdp2", "fsdp2_ac", "tp2", "pp2", "pp2_interleaved"):

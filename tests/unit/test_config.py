@@ -229,7 +229,7 @@ def test_override_key_and_type_errors(override, expected):
         ("model.n_kv_heads=5", "model.n_heads (8) must be a multiple of model.n_kv_heads (5)"),
         ("model.max_seq_len=64", "data.seq_len (128) must be <= model.max_seq_len (64); raise model.max_seq_len or set it to 0 (the named size's)"),
         ("model.tie_embeddings=maybe", "model.tie_embeddings must be true or false (or yes/no, on/off, 1/0, or 'auto'), got 'maybe'"),
-        ("data.tokenizer=gpt2", "data.tokenizer must be 'byte' or a path to a tokenizer.json file, got 'gpt2'"),
+        ("data.tokenizer=", "data.tokenizer must be 'byte', a tokenizer directory or a tokenizer.json file, got ''"),
         ("data.seq_len=0", "data.seq_len must be >= 1, got 0"),
         ("data.val_fraction=0", "data.val_fraction must be > 0 and < 0.5, got 0.0"),
         ("data.val_fraction=0.5", "data.val_fraction must be > 0 and < 0.5, got 0.5"),

@@ -64,17 +64,17 @@ def no_matplotlib(monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` now raises ImportError
 
 
-def test_png_report_has_three_charts_and_an_html_page_that_references_them(tmp_path):
+def test_png_report_has_five_charts_and_an_html_page_that_references_them(tmp_path):
     pytest.importorskip("matplotlib")
     run = make_run(tmp_path / "runs" / "demo")
     page = render_report(run)
     assert page == run / "report.html"
-    for name in ("loss", "throughput", "ranks"):
+    for name in ("loss", "throughput", "ranks", "lr", "grad_norm"):
         assert (run / f"{name}.png").read_bytes()[:8] == PNG_SIGNATURE
     text = page.read_text()
-    for name in ("loss.png", "throughput.png", "ranks.png"):
+    for name in ("loss.png", "throughput.png", "ranks.png", "lr.png", "grad_norm.png"):
         assert f'href="{name}"' in text
-    assert text.count("data:image/png;base64,") == 3  # the page also travels alone
+    assert text.count("data:image/png;base64,") == 5  # the page also travels alone
     assert text.count("rank 2 is a straggler") == 1 and text.count(">tokens/s<") == 1
     assert "4.00 GiB on rank 3 (most)" in text
     assert "best (step 40)" in text and "<h1>meshrun report: demo</h1>" in text
@@ -101,10 +101,10 @@ def test_svg_fallback_without_matplotlib_still_writes_the_html(tmp_path, no_matp
     run = make_run(tmp_path / "run")
     code, out, err = cli([str(run), "--out", str(tmp_path / "out")], capsys)
     assert code == 0
-    assert "report.html (loss.svg, throughput.svg, ranks.svg)" in out
+    assert "report.html (loss.svg, throughput.svg, ranks.svg, lr.svg, grad_norm.svg)" in out
     assert "pip install matplotlib" in err
     text = (tmp_path / "out" / "report.html").read_text()
-    assert text.count("<svg") == 3 and "<polyline" in text
+    assert text.count("<svg") == 5 and "<polyline" in text
     assert (tmp_path / "out" / "ranks.svg").read_text().startswith("<svg")
     assert not list(tmp_path.glob("out/*.png"))
     code, _, err = cli([str(run), "--format", "png"], capsys)

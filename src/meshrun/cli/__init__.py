@@ -10,7 +10,7 @@ from meshrun import __version__
 COMMANDS = {
     "train": ("meshrun.cli.train", "train a model from a config (no config: the embedded default)"),
     "config": ("meshrun.cli.config", "show the fully resolved config: every key, default and doc"),
-    "data": ("meshrun.cli.data", "prepare a memory-mapped token file from text (meshrun data prepare)"),
+    "data": ("meshrun.cli.data", "tokenize text, .jsonl, .parquet or datasets dirs into a token directory (data prepare)"),
     "report": ("meshrun.cli.report", "render a run's loss/throughput/per-rank curves as PNG + HTML"),
     "plan": ("meshrun.cli.plan", "per-rank memory of each parallel layout; recommend one (--show: placements)"),
     "launch": ("meshrun.cli.launch", "start N workers of a script under torchrun's elastic agent"),

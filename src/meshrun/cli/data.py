@@ -1,6 +1,7 @@
-"""`meshrun data prepare TEXT... --out DIR [--tokenizer byte|tokenizer.json] [--val-fraction F]`.
+"""`meshrun data prepare INPUT... --out DIR [--tokenizer byte|DIR|tokenizer.json] [--text-field F]
+[--split S] [--workers N] [--val-fraction F]`.
 
-This module parses arguments and prints; the work is in `meshrun.data.tokens`.
+This module parses arguments and prints; the work is in `meshrun.data.prepare`.
 """
 
 from __future__ import annotations
@@ -11,19 +12,28 @@ import sys
 from meshrun.errors import MeshrunError
 
 DESCRIPTION = """\
-Tokenize UTF-8 text files into a token directory that `meshrun train` reads with data.path=DIR:
+Tokenize text into a token directory that `meshrun train` reads with data.path=DIR:
   DIR/tokens.bin   the token ids, memory-mapped at train time (uint16, or uint32 for vocabs > 65536),
-                   with the tokenizer's end-of-text token after each file
+                   with the tokenizer's end-of-text token after each document
   DIR/meta.json    dtype, token count, vocab size, tokenizer, sha256 and the source files
+
+Inputs, by suffix (read as a stream, never whole):
+  .txt (or any other)        UTF-8 text; each file is one document
+  .jsonl .json .ndjson       one JSON object per line; --text-field names the text
+  .parquet                   a Parquet file (pyarrow); --text-field names the text column
+  DIR                        a `datasets` save_to_disk directory (Dataset, or DatasetDict: --split)
 """
 
 EPILOG = """\
 examples:
   meshrun data prepare book.txt --out data/book                         # built-in byte tokenizer
   meshrun data prepare texts/*.txt --out data/t --tokenizer tok/tokenizer.json --val-fraction 0.02
+  meshrun data prepare train.jsonl more.parquet --out data/hf --tokenizer tok/ --text-field content
+  meshrun data prepare my_dataset/ --split validation --out data/val --tokenizer tok/ --workers 4
   meshrun train --set data.path=data/book
 
-exit status: 0 on success, 2 on bad input (missing file, not UTF-8, bad option).
+Progress (documents, tokens per second, ETA) goes to stderr: redrawn in a terminal, else one final line.
+exit status: 0 on success, 2 on bad input (missing file or field, not UTF-8, bad option, missing extra).
 """
 
 
@@ -37,18 +47,37 @@ def _fraction(text: str) -> float:
     return value
 
 
+def _workers(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
 def build_parser(prog: str = "meshrun data") -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=prog, description="Prepare training data.")
     sub = parser.add_subparsers(dest="action", required=True, metavar="{prepare}")
     prep = sub.add_parser("prepare", prog=f"{prog} prepare", description=DESCRIPTION, epilog=EPILOG,
                           formatter_class=argparse.RawDescriptionHelpFormatter,
-                          help="tokenize text files into DIR/tokens.bin + DIR/meta.json")
-    prep.add_argument("text", nargs="+", metavar="TEXT", help="UTF-8 text files, concatenated in this order")
+                          help="tokenize text, .jsonl, .parquet or datasets directories into DIR/tokens.bin")
+    prep.add_argument("inputs", nargs="+", metavar="INPUT",
+                      help="text, .jsonl/.json, .parquet files or save_to_disk directories, in this order")
     prep.add_argument("--out", required=True, metavar="DIR",
                       help="output directory (created; an existing token directory is overwritten)")
     prep.add_argument("--tokenizer", default="byte", metavar="SPEC",
-                      help='"byte" (default: UTF-8 bytes + <eos>, vocab 259) or the path of a local '
-                           "tokenizer.json, read with the `tokenizers` package; never downloaded")
+                      help='"byte" (default: UTF-8 bytes + <eos>, vocab 259), a local Hugging Face tokenizer '
+                           "directory (tokenizer.json + tokenizer_config.json: its eos ends each document) "
+                           "or a tokenizer.json; read with the `tokenizers` package, never downloaded")
+    prep.add_argument("--text-field", default="text", metavar="NAME",
+                      help="the field holding the text in .jsonl/.parquet/datasets records (default: text)")
+    prep.add_argument("--split", default=None, metavar="NAME",
+                      help="the split of a DatasetDict directory (default: train)")
+    prep.add_argument("--workers", type=_workers, default=None, metavar="N",
+                      help="processes that tokenize (default: the cores available; the byte tokenizer "
+                           "always uses 1); the output is the same for any N")
     prep.add_argument("--val-fraction", type=_fraction, default=None, metavar="F",
                       help="hold out the last F of the tokens for eval, in [0, 1); recorded in meta.json "
                            "and used instead of data.val_fraction (default: not recorded, so "
@@ -66,15 +95,21 @@ def main(argv: list[str]) -> int:
 
 
 def _prepare(args: argparse.Namespace) -> int:
+    from meshrun.data.encode import available_cores, effective_workers
+    from meshrun.data.prepare import prepare_tokens
+    from meshrun.data.prepare_progress import PrepareProgress
     from meshrun.data.tokenizer import load_tokenizer
-    from meshrun.data.tokens import TOKENS_FILE, prepare_tokens
+    from meshrun.data.tokens import TOKENS_FILE
 
     tokenizer = load_tokenizer(args.tokenizer)
-    meta = prepare_tokens(args.text, args.out, tokenizer, val_fraction=args.val_fraction)
+    workers = effective_workers(tokenizer, args.workers or available_cores())
+    meta = prepare_tokens(args.inputs, args.out, tokenizer, val_fraction=args.val_fraction,
+                          text_field=args.text_field, split=args.split, workers=workers,
+                          progress=PrepareProgress(workers=workers))
     size_mb = meta.num_bytes / 1e6
     split = "" if meta.val_fraction is None else f", last {meta.val_fraction:g} held out for eval"
     print(f"wrote {meta.num_tokens:,} tokens ({meta.dtype}, {size_mb:.1f} MB) from {len(meta.sources)} "
-          f"file(s) to {args.out}/{TOKENS_FILE}; vocab {meta.vocab_size} ({tokenizer.spec}){split}")
+          f"input(s) to {args.out}/{TOKENS_FILE}; vocab {meta.vocab_size} ({tokenizer.spec}){split}")
     print(f"train on it with: meshrun train --set data.path={args.out}"
           + ("" if tokenizer.spec == "byte" else f" --set data.tokenizer={tokenizer.spec}"))
     return 0

@@ -12,8 +12,14 @@ DESCRIPTION = """\
 Render a run's metrics as charts and one HTML page:
   loss.png        train loss and eval loss vs step
   throughput.png  tokens/s vs step (median MFU when it was logged)
+  lr.png          learning rate vs step
+  grad_norm.png   gradient norm (before clipping) vs step
   ranks.png       each rank's step time vs step, with the slowest rank named
-  report.html     the three charts inline and a summary table
+  report.html     the charts inline and a summary table; dashed lines mark where the run resumed
+
+With traces from `meshrun train --profile STEPS` (RUN_DIR/profile/rank<N>.json) it also prints,
+per rank, the share of the profiled time spent in collectives and the top operators by self CPU
+time, and links the traces from report.html.
 
 It reads RUN_DIR/metrics.jsonl (rank 0) and RUN_DIR/ranks/rank<N>.jsonl (every rank).
 PNGs need matplotlib (pip install matplotlib); without it the charts are SVG.
@@ -54,6 +60,11 @@ def main(argv: list[str]) -> int:
               "(pip install matplotlib for PNGs)", file=sys.stderr)
     if report.straggler is not None:
         print(f"meshrun report: {report.straggler.note}")
+    if report.profiles:
+        from meshrun.report.profile import profile_lines
+
+        for line in profile_lines(report.profiles):
+            print(f"meshrun report: profile {line}")
     if report.skipped_lines:
         print(f"meshrun report: skipped {report.skipped_lines} malformed lines", file=sys.stderr)
     return 0

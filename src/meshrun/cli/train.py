@@ -25,6 +25,7 @@ from meshrun.launch.args import build_parser as build_launch_parser
 from meshrun.launch.args import parse_nnodes
 from meshrun.launch.plan import checked_options, plan_launch
 from meshrun.launch.torchrun_flags import OneLineParser
+from meshrun.train.profile import parse_steps
 
 # Launch options that make no sense here: the training target is meshrun's own worker.
 _NOT_FOR_TRAIN = {"-m", "--module", "--no-python", "--no_python", "--run-path", "--run_path"}
@@ -89,6 +90,10 @@ def build_parser() -> argparse.ArgumentParser:
                              "(--resume PATH/never: later checkpoints are renamed *.abandoned-<session>), "
                              "resume a run beyond a lower train.steps, or continue it with other settings "
                              "(the old config.toml is kept). Without it such a start is refused (exit 2)")
+    parser.add_argument("--profile", metavar="STEPS",
+                        help="record torch.profiler traces of these training steps on every rank: FIRST:LAST "
+                             "(both included, e.g. 10:12) or one step (5); Chrome traces go to "
+                             "runs/<name>/profile/rank<N>.json and `meshrun report` summarises them")
     return parser
 
 
@@ -186,6 +191,8 @@ def check_train_args(argv: list[str]) -> tuple[argparse.Namespace, JobConfig, ar
         raise ConfigError(f"config file {args.config!r} not found; see examples/configs/ for examples")
     overrides = args.overrides + ([f"checkpoint.resume={args.resume}"] if args.resume else [])
     cfg = load_config(args.config, overrides)
+    if args.profile is not None:
+        parse_steps(args.profile, cfg.train.steps)  # one line and exit 2 before anything starts
     from_config = _launch_argv_from_config(cfg, cli_launch)
     try:
         launch_args = build_launch_parser().parse_args(from_config + cli_launch + ["-m", "meshrun.train.worker"])
@@ -229,7 +236,8 @@ def main(argv: list[str]) -> int:
         if start.write_config:  # a new run, or new settings with --force; a refused start never gets here
             save_config(saved_form(cfg), run_dir / "config.toml")
         plan = plan.with_run(log_dir=plan.log_dir or str(run_dir / "logs"),
-                             script_args=["--run-dir", str(run_dir), "--resume", start.resume])
+                             script_args=["--run-dir", str(run_dir), "--resume", start.resume]
+                             + (["--profile", args.profile] if args.profile else []))
         print(f"meshrun train: run directory {run_dir}", file=sys.stderr)
         from meshrun.checkpoint.preemption import preempted_exit_code
         from meshrun.launch.torch_elastic import SignalException

@@ -23,11 +23,14 @@ EXPECTED = {
 }
 
 
-def doc_field(default: Any, doc: str, *, int_ok: bool = False) -> Any:
-    """A dataclass field with its one-line doc; int_ok lets a str field take a bare integer."""
+def doc_field(default: Any, doc: str, *, int_ok: bool = False, list_ok: bool = False) -> Any:
+    """A dataclass field with its one-line doc; int_ok lets a str field take a bare integer, list_ok
+    a TOML array of strings (kept as one comma-separated string: "a,b")."""
     metadata: dict[str, Any] = {"doc": doc}
     if int_ok:
         metadata["int_ok"] = True
+    if list_ok:
+        metadata["list_ok"] = True
     return dataclasses.field(default=default, metadata=metadata)
 
 
@@ -97,7 +100,7 @@ def parse_text(text: str, hint: Any, key: str) -> Any:
     return raw
 
 
-def coerce(value: Any, hint: Any, key: str, *, int_ok: bool = False) -> Any:
+def coerce(value: Any, hint: Any, key: str, *, int_ok: bool = False, list_ok: bool = False) -> Any:
     """value if it has the field's type (an int also fits a float field); else a ConfigError.
 
     An optional field takes None, which TOML spells "auto".
@@ -106,6 +109,8 @@ def coerce(value: Any, hint: Any, key: str, *, int_ok: bool = False) -> Any:
     if optional and (value is None or value == AUTO):
         return None
     is_int = isinstance(value, int) and not isinstance(value, bool)
+    if typ is str and list_ok and isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
+        value = ",".join(value)
     if typ is bool and isinstance(value, bool):
         return value
     if typ is int and is_int:
@@ -143,7 +148,8 @@ class Section:
         types = field_types(type(self))
         for f in dataclasses.fields(typing.cast(Any, self)):
             value = getattr(self, f.name)
-            new = coerce(value, types[f.name], self.key(f.name), int_ok=f.metadata.get("int_ok", False))
+            new = coerce(value, types[f.name], self.key(f.name), int_ok=f.metadata.get("int_ok", False),
+                         list_ok=f.metadata.get("list_ok", False))
             if new is not value:
                 object.__setattr__(self, f.name, new)  # frozen: normalise once, at construction
         self.validate()

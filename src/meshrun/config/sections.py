@@ -10,6 +10,7 @@ import re
 from dataclasses import dataclass, field, fields
 
 from meshrun.config.base import Section, doc_field, fmt
+from meshrun.config.trackers import check_tracker_names, tracker_names
 from meshrun.errors import ConfigError
 from meshrun.parallel.resolve import DTYPE_NAMES, ParallelOptions, check_options
 from meshrun.parallel.rules import check_optimizer_shards, shards_parameters
@@ -41,6 +42,7 @@ class ModelSection(Section):
     rope_theta: float = doc_field(0.0, "RoPE base frequency; 0 = the named size's (10000 unless it says otherwise).")
     norm_eps: float = doc_field(0.0, "RMSNorm epsilon; 0 = the named size's (1e-5 unless it says otherwise).")
     init_from: str = doc_field("", "Weights file to start from; '' = random initialisation seeded by train.seed.")
+    hf: str = doc_field("", "'' = not used; a local Hugging Face model directory (config.json + *.safetensors; llama, mistral, qwen2, qwen3): its architecture and weights, model.name ignored.")
 
     def validate(self) -> None:
         self.require("name", bool(self.name.strip()), "a size name such as 'tiny'")
@@ -55,6 +57,9 @@ class ModelSection(Section):
             raise ConfigError(
                 f"model.n_heads ({self.n_heads}) must be a multiple of model.n_kv_heads ({self.n_kv_heads})"
             )
+        from meshrun.models.hf_config import check_hf_section
+
+        check_hf_section(self)
 
 
 @dataclass(frozen=True)
@@ -63,15 +68,14 @@ class DataSection(Section):
 
     section = "data"
     path: str = doc_field("", "'' = the corpus built into meshrun; else a token directory from `meshrun data prepare`, or a .txt file.")
-    tokenizer: str = doc_field("byte", "'byte' = one token per UTF-8 byte (vocab 256); else a path to a local tokenizer.json.")
+    tokenizer: str = doc_field("byte", "'byte' = one token per UTF-8 byte (vocab 256); else a local Hugging Face tokenizer directory (tokenizer.json + tokenizer_config.json: its eos ends each document) or a tokenizer.json.")
     seq_len: int = doc_field(128, "Tokens per training sample (the context length).")
     val_fraction: float = doc_field(0.05, "Share of the data held out for eval loss, 0 < x < 0.5.")
     shuffle: bool = doc_field(True, "Reshuffle the sample order every epoch (seeded by train.seed).")
     num_workers: int = doc_field(0, "DataLoader worker processes per rank; 0 = load in the training process.")
 
     def validate(self) -> None:
-        ok = self.tokenizer == "byte" or self.tokenizer.endswith(".json")
-        self.require("tokenizer", ok, "'byte' or a path to a tokenizer.json file")
+        self.require("tokenizer", bool(self.tokenizer.strip()), "'byte', a tokenizer directory or a tokenizer.json file")
         self.at_least("seq_len", 1)
         self.require("val_fraction", 0 < self.val_fraction < 0.5, "> 0 and < 0.5")
         self.at_least("num_workers", 0)
@@ -198,11 +202,18 @@ class MetricsSection(Section):
 
     section = "metrics"
     interval: int = doc_field(10, "Steps between metric rows (loss, lr, grad norm, tokens/s, step time, memory).")
-    tensorboard: bool = doc_field(True, "Also write TensorBoard events, when tensorboard is installed.")
+    tensorboard: bool = doc_field(True, "Also write TensorBoard events, when tensorboard is installed (best effort; 'tensorboard' in trackers makes it required).")
     jsonl: bool = doc_field(True, "Write <run dir>/metrics.jsonl, one JSON object per row.")
+    trackers: str = doc_field("", "Experiment trackers, rank 0, local files by default: any of 'tensorboard', 'mlflow', 'wandb', 'trackio', e.g. [\"mlflow\", \"wandb\"]; [] = none besides tensorboard above.", list_ok=True)
 
     def validate(self) -> None:
         self.at_least("interval", 1)
+        check_tracker_names(self.trackers)
+
+    @property
+    def tracker_names(self) -> tuple[str, ...]:
+        """`trackers` as names: "mlflow,wandb" -> ("mlflow", "wandb")."""
+        return tracker_names(self.trackers)
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ import sys
 
 from meshrun.config.base import fmt
 from meshrun.config.sections import JobConfig
+from meshrun.config.trackers import check_trackers_installed
 from meshrun.errors import ConfigError, MeshrunError
 from meshrun.writable import check_creatable_dir
 
@@ -37,6 +38,7 @@ def check_job(cfg: JobConfig, *, nproc_per_node: str = "auto", nnodes: str = "1"
         check_creatable_dir(os.path.join(cfg.train.run_dir, cfg.train.name), "train.run_dir/train.name",
                             fix="choose a shorter train.name")
     _check_files(cfg)
+    check_trackers_installed(cfg.metrics.tracker_names)  # a missing extra: one line before any worker
     if cfg.model.factory:
         check_factory_module(cfg.model.factory)
     else:
@@ -47,7 +49,7 @@ def _check_files(cfg: JobConfig) -> None:
     for key, path, kind in (("data.path", cfg.data.path, "a token directory or a .txt file"),
                             ("model.init_from", cfg.model.init_from, "a weights file"),
                             ("data.tokenizer", "" if cfg.data.tokenizer == "byte" else cfg.data.tokenizer,
-                             "'byte' or a tokenizer.json file")):
+                             "'byte', a tokenizer directory or a tokenizer.json file")):
         if path and not os.path.exists(path):
             raise ConfigError(f"{key}={fmt(path)} not found; give {kind} (relative to {os.getcwd()})")
 

@@ -171,11 +171,16 @@ def _check_tokenizer_matches(path: Path, meta_tok: dict, tokenizer: Tokenizer) -
     ours = tokenizer_fingerprint(tokenizer)
     same = (ours["vocab_size"] == meta_tok.get("vocab_size")
             and (ours["spec"] == "byte") == (meta_tok.get("spec") == "byte")
-            and ours["sha256"] == meta_tok.get("sha256"))
+            and ours["sha256"] == meta_tok.get("sha256")
+            and meta_tok.get("eos_id", ours["eos_id"]) == ours["eos_id"])  # older meta: no eos_id
     if not same:
+        def eos(fp: dict) -> str:  # shown when the meta records it
+            return f", eos id {fp.get('eos_id')}" if "eos_id" in meta_tok else ""
+
         raise DataError(f"token directory {path} was prepared with tokenizer {meta_tok.get('spec')!r} "
-                        f"(vocab {meta_tok.get('vocab_size')}), but data.tokenizer is {ours['spec']!r} "
-                        f"(vocab {ours['vocab_size']}); set data.tokenizer to the one used by prepare")
+                        f"(vocab {meta_tok.get('vocab_size')}{eos(meta_tok)}), but data.tokenizer is "
+                        f"{ours['spec']!r} (vocab {ours['vocab_size']}{eos(ours)}); "
+                        "set data.tokenizer to the one used by prepare")
 
 
 def load_data_tokens(path: str, tokenizer: Tokenizer, *,

@@ -1,4 +1,4 @@
-"""Tokenizers: the built-in byte tokenizer and local `tokenizer.json` files (never a hub download)."""
+"""Tokenizers: the built-in byte tokenizer and local Hugging Face tokenizers (never a hub download)."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import hashlib
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
+from meshrun.data.hf_tokenizer import TOKENIZER_JSON, HFTokenizer
 from meshrun.errors import DataError
 
 BYTE_SPEC = "byte"
@@ -86,72 +87,33 @@ class ByteTokenizer:
         return f"ByteTokenizer(vocab_size={self.vocab_size})"
 
 
-# End-of-text spellings of common tokenizer.json files, most specific first.
-_EOS_NAMES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eos|>")
-
-
-class HFTokenizer:
-    """A local `tokenizer.json` read with the `tokenizers` package (no network access)."""
-
-    def __init__(self, path: str | Path):
-        self.path = Path(path).expanduser().resolve()
-        try:
-            from tokenizers import Tokenizer as _Tokenizer
-        except ImportError:
-            raise DataError(
-                f"data.tokenizer={str(path)!r} needs the `tokenizers` package, which is not installed; "
-                "run: pip install tokenizers (or use data.tokenizer=\"byte\")"
-            ) from None
-        try:
-            self._tok = _Tokenizer.from_file(str(self.path))
-        except Exception as exc:  # the Rust side raises a plain Exception
-            first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-            raise DataError(f"cannot read tokenizer file {self.path}: {first}") from None
-        self._vocab_size = int(self._tok.get_vocab_size(with_added_tokens=True))
-        vocab = self._tok.get_vocab(with_added_tokens=True)
-        self._eos_id = next((vocab[name] for name in _EOS_NAMES if name in vocab), None)
-
-    @property
-    def vocab_size(self) -> int:
-        return self._vocab_size
-
-    @property
-    def eos_id(self) -> int | None:
-        return self._eos_id
-
-    @property
-    def spec(self) -> str:
-        return str(self.path)
-
-    def encode(self, text: str) -> list[int]:
-        return list(self._tok.encode(text, add_special_tokens=False).ids)
-
-    def decode(self, ids: list[int]) -> str:
-        return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
-
-    def __repr__(self) -> str:
-        return f"HFTokenizer({str(self.path)!r}, vocab_size={self.vocab_size})"
-
-
 def load_tokenizer(spec: str | Path | None = BYTE_SPEC) -> ByteTokenizer | HFTokenizer:
-    """`"byte"` (or empty) for the built-in byte tokenizer, else the path of a local tokenizer.json."""
+    """`"byte"` (or empty) for the built-in byte tokenizer; else a local Hugging Face tokenizer
+    directory (tokenizer.json, with tokenizer_config.json / special_tokens_map.json for its
+    special tokens) or the path of a lone tokenizer.json."""
     if spec is None or str(spec).strip() in ("", BYTE_SPEC):
         return ByteTokenizer()
     path = Path(str(spec)).expanduser()
-    if path.is_dir() and (path / "tokenizer.json").is_file():
-        path = path / "tokenizer.json"
-    if not path.is_file():
+    if path.is_dir() and not (path / TOKENIZER_JSON).is_file():
         raise DataError(
-            f"data.tokenizer={str(spec)!r}: no such file; give the path of a local tokenizer.json "
-            "or \"byte\" for the built-in byte tokenizer (meshrun never downloads tokenizers)"
+            f"data.tokenizer={str(spec)!r} is a directory without {TOKENIZER_JSON}; give a Hugging Face "
+            "tokenizer directory saved by a fast tokenizer (tokenizer.save_pretrained(DIR) writes one), "
+            "a tokenizer.json, or \"byte\""
+        )
+    if not path.exists():
+        raise DataError(
+            f"data.tokenizer={str(spec)!r}: no such file or directory; give a local tokenizer directory, "
+            "a tokenizer.json or \"byte\" for the built-in byte tokenizer (meshrun never downloads tokenizers)"
         )
     return HFTokenizer(path)
 
 
 def tokenizer_fingerprint(tokenizer: Tokenizer) -> dict[str, object]:
-    """What meta.json records to recognise the tokenizer later, even if its file has moved."""
+    """What meta.json records to recognise the tokenizer later, even if its files have moved:
+    the sha256 of its tokenizer.json and the end-of-text id put between documents."""
+    eos_id = tokenizer.eos_id
     if isinstance(tokenizer, ByteTokenizer):
-        return {"spec": BYTE_SPEC, "vocab_size": tokenizer.vocab_size, "sha256": None}
-    path = Path(tokenizer.spec)
+        return {"spec": BYTE_SPEC, "vocab_size": tokenizer.vocab_size, "sha256": None, "eos_id": eos_id}
+    path = Path(getattr(tokenizer, "json_path", tokenizer.spec))
     digest = hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else None
-    return {"spec": tokenizer.spec, "vocab_size": tokenizer.vocab_size, "sha256": digest}
+    return {"spec": tokenizer.spec, "vocab_size": tokenizer.vocab_size, "sha256": digest, "eos_id": eos_id}

@@ -5,6 +5,7 @@ Layout of a run directory:
     runs/<name>/ranks/rank<N>.jsonl  every rank: {"step", "step_time_s", "data_time_s"?, "compute_time_s"?,
                                      "peak_mem_bytes"?}
     runs/<name>/tb/                  TensorBoard event files, when `tensorboard` is installed
+    runs/<name>/mlruns, wandb/, trackio/   the trackers `[metrics] trackers` names (metrics/trackers.py)
 
 Files are only ever appended to (opened O_APPEND: no row is rewritten; a resumed or rolled-back run
 continues them, and `meshrun report` keeps the last line of each step) and flushed after every
@@ -19,17 +20,16 @@ import json
 import logging
 import math
 import time
-import warnings
 from pathlib import Path
 from typing import IO, Any
 
+from meshrun.metrics.trackers import TensorBoardTracker, TrackerSet, flat_config
 from meshrun.runtime.diskfault import disk_fault, disk_write_error
 
 logger = logging.getLogger(__name__)
 
 METRICS_FILE = "metrics.jsonl"
 RANKS_DIR = "ranks"
-TENSORBOARD_DIR = "tb"
 
 
 def rank_file(run_dir: str | Path, rank: int) -> Path:
@@ -59,17 +59,14 @@ def _jsonable(value: Any) -> Any:
     return value
 
 
-def _open_tensorboard(log_dir: Path):
-    """A SummaryWriter when the `tensorboard` package is importable, else None with one info line."""
+def _open_tensorboard(run_dir: Path, config: dict[str, Any] | None) -> TensorBoardTracker | None:
+    """TensorBoard when the `tensorboard` package is importable, else None with one info line."""
     if importlib.util.find_spec("tensorboard") is None:
         logger.info("tensorboard is not installed; metrics go to metrics.jsonl only "
                     "(pip install tensorboard to get event files)")
         return None
     try:
-        with warnings.catch_warnings():  # its import chain warns about deprecated modules
-            warnings.simplefilter("ignore")
-            from torch.utils.tensorboard import SummaryWriter
-        return SummaryWriter(log_dir=str(log_dir))
+        return TensorBoardTracker.open(run_dir, None, flat_config(config or {}), run_dir.name)
     except Exception as exc:  # a broken install (protobuf mismatch, ...) must not stop training
         logger.info("tensorboard is installed but unusable (%s); metrics go to metrics.jsonl only", exc)
         return None
@@ -86,19 +83,26 @@ class MetricsLogger:
     """
 
     def __init__(self, run_dir: str | Path, *, rank: int, enabled_jsonl: bool = True,
-                 tensorboard: bool = True) -> None:
+                 tensorboard: bool = True, trackers: tuple[str, ...] = (),
+                 config: dict[str, Any] | None = None) -> None:
+        """tensorboard: TensorBoard when installed (best effort); trackers: those that must run
+        (their libraries were checked before launch); config: {section: {key: value}} for them."""
         self.run_dir = Path(run_dir)
         self.rank = rank
         self._metrics: IO[str] | None = None
         self._rank_file: IO[str] | None = None
-        self._tb = None
+        self._trackers = TrackerSet([])
+        self._meta: dict[str, Any] = {}
+        self._last: dict[str, Any] = {}
         if enabled_jsonl:
             rank_file(self.run_dir, rank).parent.mkdir(parents=True, exist_ok=True)
             self._rank_file = _open_append(rank_file(self.run_dir, rank))
             if rank == 0:
                 self._metrics = _open_append(self.run_dir / METRICS_FILE)
-        if tensorboard and rank == 0:
-            self._tb = _open_tensorboard(self.run_dir / TENSORBOARD_DIR)
+        if rank == 0:
+            board = _open_tensorboard(self.run_dir, config) if (
+                tensorboard and "tensorboard" not in trackers) else None
+            self._trackers = TrackerSet.open(trackers, self.run_dir, config=config, extra=[board] if board else [])
 
     @property
     def metrics_path(self) -> Path:
@@ -119,9 +123,16 @@ class MetricsLogger:
         self._record("eval", step, dict(eval_loss=eval_loss, **extra))
 
     def log_meta(self, **fields: Any) -> None:
-        """Facts about the run for the report (world_size, device, num_params, ...), rank 0 only."""
+        """Facts about the run for the report (world_size, device, num_params, ...), rank 0 only.
+        event="end" marks the run's end: the trackers get every meta fact and the final values as
+        their summary."""
         if self._metrics is not None:
             self._write(self._metrics, {"kind": "meta", "time": round(time.time(), 3), **fields})
+        if self.rank != 0:
+            return
+        self._meta.update({k: _jsonable(v) for k, v in fields.items() if k != "event" and v is not None})
+        if fields.get("event") == "end":
+            self._trackers.summary({**self._meta, **self._last}, int(self._last.get("steps", 0)))
 
     def log_rank_step(self, step: int, *, step_time_s: float, data_time_s: float | None = None,
                       compute_time_s: float | None = None, peak_mem_bytes: int | None = None) -> None:
@@ -148,10 +159,11 @@ class MetricsLogger:
         if self._metrics is not None:
             self._write(self._metrics, {"kind": kind, "step": int(step), "time": round(time.time(), 3),
                                         **values})
-        if self._tb is not None:
-            for key, value in values.items():
-                if isinstance(value, (int, float)) and not isinstance(value, bool):
-                    self._tb.add_scalar(f"{kind}/{key.removeprefix('eval_')}", value, int(step))
+        self._trackers.log(kind, step, values)
+        self._last["steps"] = max(int(step), int(self._last.get("steps", 0)))
+        for key in ("loss", "eval_loss"):
+            if isinstance(values.get(key), (int, float)):
+                self._last[f"final_{key}"] = values[key]
 
     @staticmethod
     def _write(stream: IO[str], record: dict[str, Any]) -> None:
@@ -168,8 +180,7 @@ class MetricsLogger:
         for stream in (self._metrics, self._rank_file):
             if stream is not None:
                 stream.flush()
-        if self._tb is not None:
-            self._tb.flush()
+        self._trackers.flush()
 
     def close(self) -> None:
         """Close every file; later log calls do nothing. Safe to call twice."""
@@ -177,9 +188,8 @@ class MetricsLogger:
             if stream is not None:
                 with contextlib.suppress(OSError):  # a line a full disk refused, still buffered
                     stream.close()
-        if self._tb is not None:
-            self._tb.close()
-        self._metrics = self._rank_file = self._tb = None
+        self._trackers.close()
+        self._metrics = self._rank_file = None
 
     def __enter__(self) -> MetricsLogger:
         return self

@@ -57,6 +57,11 @@ def build_model(
     ``init_weights(seed)``. Build under ``with torch.device("meta"):`` to defer allocation.
     """
     factory = getattr(model_cfg, "factory", None)
+    hf = getattr(model_cfg, "hf", "")
+    if hf:  # a Hugging Face directory: transformers builds it, meshrun's adapter lays it out
+        from meshrun.models.hf import build_hf_model
+
+        return build_hf_model(hf, vocab_size, seed=seed)
     if factory:
         fn = load_factory(factory)
         model = _call_factory(factory, fn, model_cfg, vocab_size)

@@ -31,6 +31,10 @@ def model_args_from_config(model_cfg: Any, vocab_size: int | None = None) -> Mod
     A field that is 0, None or "" takes the size's value (``tie_embeddings``: only None does, a
     bool is always explicit). ``vocab_size`` 0 takes the tokenizer's ``vocab_size`` argument.
     """
+    if getattr(model_cfg, "hf", ""):  # a Hugging Face directory: its config.json gives the shape
+        from meshrun.models.hf_config import model_args_from_hf
+
+        return model_args_from_hf(model_cfg.hf, vocab_size)
     name = getattr(model_cfg, "name", None) or DEFAULT_SIZE
     spec = size_spec(name)
     for field in ARG_FIELDS:

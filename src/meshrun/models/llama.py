@@ -188,6 +188,11 @@ class Transformer(nn.Module):
             seed = int(torch.randint(0, 2**62, (1,), device="cpu").item())
         if self.freqs_cos.device.type != "meta":
             self.reset_rope()
+        if (self.args.tie_embeddings and self.output is not None and self.tok_embeddings is not None
+                and self.output.weight is not self.tok_embeddings.weight):
+            # `to_empty` (a meta build) gives each module its own new Parameter, which silently
+            # unties the output projection from the embedding: point it back at the embedding's.
+            self.output.weight = self.tok_embeddings.weight
         std = 0.02
         if self.tok_embeddings is not None:
             _init("tok_embeddings.weight", self.tok_embeddings.weight, seed, std)

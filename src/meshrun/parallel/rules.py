@@ -34,7 +34,6 @@ def _show(value: Any) -> str:  # as a TOML file or `--set` spells it
     return ("true" if value else "false") if isinstance(value, bool) else repr(value)
 
 
-
 def require(key: str, ok: bool, expected: str, value: Any) -> None:
     """Raise `KEY must be EXPECTED, got VALUE` unless ok (the config sections' own wording)."""
     if not ok:
@@ -58,7 +57,6 @@ def check_degree(name: str, value: Any) -> None:
 def check_world_size(world_size: Any) -> None:
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ConfigError(f"world size must be an integer >= 1, got {world_size!r}")
-
 
 
 def check_rest(degrees: dict[str, int]) -> str | None:
@@ -117,7 +115,6 @@ def resolve_degrees(degrees: dict[str, int], world_size: int, *, strategy: str =
     return out
 
 
-
 def check_tp_features(tp: int, pp: int, sequence_parallel: bool, loss_parallel: bool) -> None:
     """Sequence and loss parallel split over the tp ranks, and make a stage's output a DTensor,
     which the pipeline's point-to-point sends do not carry. A degree of -1 is not known yet."""
@@ -134,6 +131,19 @@ def check_tp_features(tp: int, pp: int, sequence_parallel: bool, loss_parallel: 
         raise ConfigError(f"{keys} {'does' if one else 'do'} not compose with parallel.pp={pp} (pipeline "
                           f"stages send plain tensors); turn {'it' if one else 'them'} off or set parallel.pp=1")
 
+
+def check_hf_tp(hf: str, sequence_parallel: bool, styles: dict[str, str], supported: tuple[str, ...]) -> None:
+    """A `model.hf` model under TP: its config's base_model_tp_plan gives the block plan, in
+    styles meshrun maps; its decoder layers take keyword inputs, which sequence parallel cannot shard."""
+    where = f"model.hf={hf!r}"
+    if sequence_parallel:
+        raise ConfigError(f"parallel.sequence_parallel=true is not offered for {where} (HF decoder layers "
+                          "take their inputs as keywords); turn it off")
+    bad = {pattern: style for pattern, style in styles.items() if style not in supported}
+    if not styles or bad:
+        what = (f"tensor-parallel styles {bad} are not supported (supported: {', '.join(supported)})" if bad
+                else "its config has no base_model_tp_plan")
+        raise ConfigError(f"{where}: {what}; set parallel.tp=1")
 
 
 def check_precision(dtype: str, pp: int, param_dtype: str = "auto") -> None:

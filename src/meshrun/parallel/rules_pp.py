@@ -6,9 +6,8 @@ the schedules themselves, and the papers they come from, are `meshrun.parallel.p
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from meshrun.errors import ConfigError
+from meshrun.parallel.pipeline_plan import PipelinePlan
 from meshrun.parallel.rules import _listing, check_choice, check_stages, divisors
 
 # meshrun name -> (torch class name for get_schedule_class, several stages per rank).
@@ -26,23 +25,6 @@ SCHEDULES: dict[str, tuple[str, bool]] = {
 # refused with dp > 1.
 ZERO_BUBBLE = ("interleaved_zero_bubble",)
 
-
-
-@dataclass(frozen=True)
-class PipelinePlan:
-    """What a pipeline layout is, resolved and checked before any process group exists."""
-
-    schedule: str
-    num_stages: int
-    stages_per_rank: int
-    microbatches: int
-    layers: list[list[str]]
-    """Block names (keys of model.layers) per stage, in stage order; [] when planned without
-    the model's depth (checks only: resolve again with the model to build)."""
-
-    def stage_ids(self, pp_rank: int, pp: int) -> list[int]:
-        """The stages this pipeline rank holds, in the order the schedule wants them."""
-        return [pp_rank + k * pp for k in range(self.stages_per_rank)]
 
 
 def default_stages_per_rank(schedule: str, requested: int = 0) -> int:

@@ -50,12 +50,16 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool =
     loss_parallel: the logits stay sharded over the vocabulary (a DTensor, Shard(-1)); the loss
     and its backward must then run under `torch.distributed.tensor.parallel.loss_parallel()`.
     Without it the logits are all-gathered into a plain tensor and any loss works.
-    Raises ModelError when the model lacks the built-in layout (names in BLOCK_MODULES).
+    A model with a `tp_block_plan(sequence_parallel)` method (the HF adapter) gives its own
+    per-block plan; otherwise the built-in one (names in BLOCK_MODULES) applies, and a model
+    without those names gets a ModelError.
     """
-    _check_layout(model)
+    own_plan = getattr(model, "tp_block_plan", None)  # a model's own block plan (models.hf)
+    _check_layout(model, blocks=own_plan is None)
+    block_plan = own_plan(sequence_parallel) if own_plan is not None else _block_plan(sequence_parallel)
     parallelize_module(model, tp_mesh, _root_plan(model, sequence_parallel, loss_parallel))
     for block in _blocks(model):
-        parallelize_module(_unwrapped(block), tp_mesh, _block_plan(sequence_parallel))
+        parallelize_module(_unwrapped(block), tp_mesh, block_plan)
     return model
 
 
@@ -130,11 +134,13 @@ def _unwrapped(block: nn.Module) -> nn.Module:
     return getattr(block, "_checkpoint_wrapped_module", block)
 
 
-def _check_layout(model: nn.Module) -> None:
+def _check_layout(model: nn.Module, *, blocks: bool = True) -> None:
     for attr in ("layers", "tok_embeddings", "norm", "output"):
         if not hasattr(model, attr):
             raise ModelError(f"tensor parallel needs the built-in Transformer layout; "
                              f"{type(model).__name__} has no `{attr}` (see meshrun.models.llama)")
+    if not blocks:
+        return
     for index, block in enumerate(_blocks(model)):
         for name in BLOCK_MODULES:
             try:

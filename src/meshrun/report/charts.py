@@ -35,6 +35,8 @@ class Chart:
     """One line under the chart (the straggler verdict, the median MFU)."""
     y_from_zero: bool = False
     """Start the y axis at 0 (rates and times: gaps read in proportion)."""
+    marks: list[float] = field(default_factory=list)
+    """Steps to mark with a dashed vertical line labelled "resumed" (where the run restarted)."""
 
 
 def format_number(value: float) -> str:
@@ -112,6 +114,11 @@ def render_svg(chart: Chart) -> str:
                               f'y2="{ly - 4}" stroke="{color}" stroke-width="2"/>'
                               f'<text x="{LEFT + width - 104}" '
                               f'y="{ly}">{escape(series.label)}</text>')
+        for x in chart.marks:
+            if xt[0] <= x <= xt[-1]:
+                out.append(f'<line x1="{px(x):.1f}" y1="{TOP}" x2="{px(x):.1f}" y2="{TOP + height}" '
+                           f'stroke="#d62728" stroke-dasharray="4 3"/><text x="{px(x) + 3:.1f}" '
+                           f'y="{TOP + 12}" fill="#d62728">resumed</text>')
         out.extend(legend)
     out.append(f'<rect x="{LEFT}" y="{TOP}" width="{width}" height="{height}" fill="none" stroke="#888"/>'
                f'<text x="{LEFT + width / 2}" y="{TOP + height + 32}" text-anchor="middle">'
@@ -144,6 +151,8 @@ def render_png(chart: Chart, path: Path) -> None:
     for series in chart.series:
         ax.plot(series.xs, series.ys, label=series.label, marker="o" if series.markers else None,
                 markersize=4, linewidth=1.4)
+    for index, x in enumerate(chart.marks):
+        ax.axvline(x, color="#d62728", linestyle="--", linewidth=1, label=None if index else "resumed")
     if not chart.series:
         ax.text(0.5, 0.5, "no data", ha="center", va="center", transform=ax.transAxes, color="gray")
     ax.set_title(chart.title)
@@ -153,7 +162,7 @@ def render_png(chart: Chart, path: Path) -> None:
     ax.grid(alpha=0.3)
     if chart.y_from_zero and chart.series:
         ax.set_ylim(bottom=0)
-    if len(chart.series) > 1:
+    if len(chart.series) > 1 or chart.marks:
         ax.legend(fontsize=8)
     if chart.note:
         fig.text(0.01, 0.01, chart.note, fontsize=8, color="dimgray")

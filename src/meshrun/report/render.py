@@ -12,7 +12,7 @@ import base64
 import html
 import logging
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +25,7 @@ from meshrun.report.charts import (
     render_png,
     render_svg,
 )
+from meshrun.report.profile import RankProfile, profile_html, read_profiles
 from meshrun.report.ranks import RankStats, Straggler, find_straggler, median_of, rank_stats
 from meshrun.report.run import ReportError, RunData, load_run
 
@@ -70,17 +71,26 @@ def _rank_chart(run: RunData, straggler: Straggler | None) -> Chart:
 
 
 def build_charts(run: RunData, straggler: Straggler | None) -> list[Chart]:
-    """The three charts: loss.{png,svg}, throughput.{png,svg} and ranks.{png,svg}."""
+    """The charts: loss, throughput, ranks, lr and grad_norm (.png or .svg); every step chart marks
+    the steps the run resumed from."""
     loss = [s for s in (_series(run.train, "loss", "train loss"),
                         _series(run.eval, "eval_loss", "eval loss", markers=True)) if s]
     mfus = [r["mfu"] for r in run.train if isinstance(r.get("mfu"), (int, float))]
     throughput = [s for s in (_series(run.train, "tokens_per_s", "tokens/s"),) if s]
-    return [
+    lr = [s for s in (_series(run.train, "lr", "learning rate"),) if s]
+    grad = [s for s in (_series(run.train, "grad_norm", "gradient norm"),) if s]
+    charts = [
         Chart("loss", "Loss", "step", "loss", loss, None if loss else "no loss values logged"),
         Chart("throughput", "Throughput", "step", "tokens/s", throughput,
               f"median MFU {statistics.median(mfus):.1%}" if mfus else None, y_from_zero=True),
         _rank_chart(run, straggler),
+        Chart("lr", "Learning rate", "step", "lr", lr, None if lr else "no lr values logged", y_from_zero=True),
+        Chart("grad_norm", "Gradient norm (before clipping)", "step", "norm", grad,
+              None if grad else "no grad_norm values logged", y_from_zero=True),
     ]
+    for chart in charts:
+        chart.marks = list(run.resumed_at) if chart.series else []
+    return charts
 
 
 def _meta_value(key: str, value: Any) -> str:
@@ -92,7 +102,7 @@ def _meta_value(key: str, value: Any) -> str:
 
 
 # Meta keys the summary states in a row of its own (throughput, memory), or that are not settings.
-_NOT_SETTINGS = ("kind", "time", "event", "tokens_per_s", "peak_mem_bytes")
+_NOT_SETTINGS = ("kind", "time", "event", "tokens_per_s", "peak_mem_bytes", "start_step")
 
 
 def _throughput(run: RunData) -> str | None:
@@ -156,6 +166,8 @@ def summary_rows(run: RunData, stats: list[RankStats], straggler: Straggler | No
     times = [r["time"] for r in run.train + run.eval if isinstance(r.get("time"), (int, float))]
     if len(times) > 1:
         rows.append(("wall time", f"{max(times) - min(times):.1f} s between the first and last record"))
+    if run.resumed_at:
+        rows.append(("resumed", ", ".join(f"at step {step}" for step in run.resumed_at)))
     if run.skipped_lines:
         rows.append(("skipped lines", f"{run.skipped_lines} (not JSON, or no step)"))
     return rows
@@ -172,6 +184,7 @@ th{{background:#f4f4f4}}figure{{margin:1.5em 0}}img,svg{{max-width:100%;height:a
 {figures}
 <h2>Ranks</h2>
 {ranks}
+{profile}
 </body></html>
 """
 
@@ -219,6 +232,7 @@ class Report:
     image_format: str
     straggler: Straggler | None
     skipped_lines: int
+    profiles: list[RankProfile] = field(default_factory=list)
 
 
 def write_report(run_dir: str | Path, out_dir: str | Path | None = None, *,
@@ -253,12 +267,14 @@ def write_report(run_dir: str | Path, out_dir: str | Path | None = None, *,
                           for k, v in summary_rows(run, stats, straggler))
         figures = "\n".join(_figure(c, p if fmt == "png" else None) for c, p in zip(charts, images, strict=True))
         page = out / "report.html"
+        profiles = read_profiles(run_dir if Path(run_dir).is_dir() else Path(run_dir).parent)
         page.write_text(_PAGE.format(name=html.escape(run.name), summary=summary, figures=figures,
-                                     ranks=_rank_table(stats)), encoding="utf-8")
+                                     ranks=_rank_table(stats), profile=profile_html(profiles, out)),
+                        encoding="utf-8")
     except OSError as exc:
         raise ReportError(f"cannot write the report to {out}: {exc.strerror or exc}") from exc
     return Report(html=page, images=images, image_format=fmt, straggler=straggler,
-                  skipped_lines=run.skipped_lines)
+                  skipped_lines=run.skipped_lines, profiles=profiles)
 
 
 def render_report(run_dir: str | Path, out_dir: str | Path | None = None) -> Path:

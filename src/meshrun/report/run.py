@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +31,15 @@ class RunData:
     meta: dict[str, Any]
     ranks: dict[int, list[dict[str, Any]]]
     skipped_lines: int = 0
+    starts: list[dict[str, Any]] = field(default_factory=list)
+    """Each start's meta row, in order (the rows with "start_step": > 0 on a resume)."""
+
+    @property
+    def resumed_at(self) -> list[int]:
+        """The steps the run resumed from (the checkpoint's step), in order."""
+        return [r["start_step"] for r in self.starts
+                if isinstance(r.get("start_step"), int) and not isinstance(r["start_step"], bool)
+                and r["start_step"] > 0]
 
 
 def _read_jsonl(path: Path) -> tuple[list[dict[str, Any]], int]:
@@ -97,4 +106,4 @@ def load_run(run_dir: str | Path) -> RunData:
         meta.update(record)
     return RunData(name=run_dir.resolve().name, train=_by_step(kinds["train"]),
                    eval=_by_step(kinds["eval"]), meta=meta, ranks=dict(sorted(ranks.items())),
-                   skipped_lines=bad)
+                   skipped_lines=bad, starts=[r for r in kinds["meta"] if "start_step" in r])

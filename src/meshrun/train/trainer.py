@@ -19,7 +19,7 @@ import torch
 from meshrun.checkpoint import Checkpointer
 from meshrun.checkpoint.runs import write_finished
 from meshrun.checkpoint.state import TrainState
-from meshrun.config import JobConfig
+from meshrun.config import JobConfig, as_dict
 from meshrun.data.loader import build_loaders
 from meshrun.data.tokenizer import load_tokenizer
 from meshrun.metrics.logger import MetricsLogger
@@ -38,6 +38,7 @@ from meshrun.runtime.alloc import MemoryMarks
 from meshrun.runtime.process import DistEnv
 from meshrun.train.optimizers import build_optimizer
 from meshrun.train.precision import build_loss_scaler
+from meshrun.train.profile import StepProfiler, StepRange
 from meshrun.train.schedules import build_scheduler
 from meshrun.train.seed import seed_everything
 from meshrun.train.setup import (
@@ -77,23 +78,23 @@ class _Run:
     eval_losses: list[tuple[int, float]] = field(default_factory=list)
 
 
-def train(cfg: JobConfig, env: DistEnv, run_dir: Path) -> TrainResult:
+def train(cfg: JobConfig, env: DistEnv, run_dir: Path, profile: StepRange | None = None) -> TrainResult:
     """Train as `cfg` says on the current world; rank 0 writes metrics and the final weights."""
     run = _setup(cfg, env, run_dir)
     with run.checkpointer:  # its SIGTERM/SIGINT handlers are put back on every way out
-        return _loop(run, cfg, env, run_dir)
+        return _loop(run, cfg, env, run_dir, StepProfiler(profile, run_dir, env.rank))
 
 
-def _loop(run: _Run, cfg: JobConfig, env: DistEnv, run_dir: Path) -> TrainResult:
+def _loop(run: _Run, cfg: JobConfig, env: DistEnv, run_dir: Path, profiler: StepProfiler) -> TrainResult:
     """④ step, log, evaluate and checkpoint until train.steps, then save the final weights."""
     tcfg = cfg.train
     layout, state = run.layout, run.state
     tokens_per_step = tcfg.batch_size * tcfg.grad_accum * run.seq_len * layout.dp_size
     metrics = MetricsLogger(run_dir, rank=env.rank, enabled_jsonl=cfg.metrics.jsonl,
-                            tensorboard=cfg.metrics.tensorboard)
+                            tensorboard=cfg.metrics.tensorboard, trackers=cfg.metrics.tracker_names, config=as_dict(cfg))
     metrics.log_meta(world_size=env.world_size, device=str(env.device), backend=env.backend,
                      num_params=run.num_params, seq_len=run.seq_len, tokens_per_step=tokens_per_step,
-                     batch_size=tcfg.batch_size, grad_accum=tcfg.grad_accum, dtype=tcfg.dtype)
+                     batch_size=tcfg.batch_size, grad_accum=tcfg.grad_accum, dtype=tcfg.dtype, start_step=state.step)
     progress = ProgressBar(tcfg.steps, rank=env.rank, interval=tcfg.log_interval)
     progress.write(f"training {run.num_params / 1e6:.2f}M parameters on {env.world_size} x {env.device} "
                    f"({env.backend}), {tcfg.steps} steps of {tokens_per_step} tokens")
@@ -104,6 +105,7 @@ def _loop(run: _Run, cfg: JobConfig, env: DistEnv, run_dir: Path) -> TrainResult
     if state.step == 0:  # a resumed run has its step-0 eval already
         _evaluate(run, cfg, 0, metrics, progress)
     for step in range(state.step + 1, tcfg.steps + 1):
+        profiler.at(step)  # --profile: ends the previous step's span, starts this one's
         timer.start()
         log_now = step % cfg.metrics.interval == 0 or step == tcfg.steps
         loss, grad_norm, compute_s = layout.step(
@@ -122,6 +124,7 @@ def _loop(run: _Run, cfg: JobConfig, env: DistEnv, run_dir: Path) -> TrainResult
         if tcfg.eval_interval and step % tcfg.eval_interval == 0 and step != tcfg.steps:
             _evaluate(run, cfg, step, metrics, progress)
         run.checkpointer.step_done(state)  # every checkpoint.interval steps; SIGTERM: save, raise Preempted
+    profiler.close()
     run.checkpointer.finish(state)
     _evaluate(run, cfg, tcfg.steps, metrics, progress)
     progress.close()
@@ -160,6 +163,10 @@ def _setup(cfg: JobConfig, env: DistEnv, run_dir: Path) -> _Run:
         from meshrun.checkpoint.export import read_consolidated
 
         layout.load_full_state_dict(read_consolidated(cfg.model.init_from))
+    if cfg.model.hf:  # this rank's shards straight from the safetensors (a resume overwrites them)
+        from meshrun.models.hf_load import load_hf_weights
+
+        load_hf_weights(layout.parts, cfg.model.hf)
 
     # ③ data: this data-parallel rank's disjoint share; the sampler reshuffles every epoch itself
     train_batches, val_loader, _ = build_loaders(

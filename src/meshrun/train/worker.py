@@ -15,6 +15,7 @@ from pathlib import Path
 import meshrun
 from meshrun.config import load_config
 from meshrun.errors import MeshrunError
+from meshrun.train.profile import parse_steps
 
 CONFIG_FILE = "config.toml"
 
@@ -24,10 +25,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--run-dir", required=True, help="run directory holding config.toml")
     parser.add_argument("--resume", help="this start's checkpoint.resume (meshrun train decides it); "
                                          "default: config.toml's")
+    parser.add_argument("--profile", help="steps to profile, FIRST:LAST (meshrun train checked it)")
     args = parser.parse_args(argv)
     run_dir = Path(args.run_dir)
     try:
         cfg = load_config(run_dir / CONFIG_FILE, [f"checkpoint.resume={args.resume}"] if args.resume else [])
+        profile = parse_steps(args.profile, cfg.train.steps) if args.profile else None
     except MeshrunError as exc:
         print(f"meshrun train: error: {exc}", file=sys.stderr)
         return 2
@@ -48,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     from meshrun.train.trainer import train  # after init: heavy imports off the error path
 
     try:
-        result = train(cfg, env, run_dir)
+        result = train(cfg, env, run_dir, profile)
     except Preempted as exc:
         # SIGTERM/SIGINT (preemption): a checkpoint is committed; re-running the command continues.
         if env.is_main:

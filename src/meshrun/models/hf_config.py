@@ -1,0 +1,98 @@
+"""`[model] hf = "DIR"` before torch: the directory's checks, its architecture, and its shape.
+
+A Hugging Face model directory holds `config.json` and `*.safetensors` (one file, or shards with
+`model.safetensors.index.json`). Config validation and `meshrun plan` read it here, without
+torch or transformers, so a wrong directory or an unsupported architecture is one line and exit 2
+before any process starts. Pure Python.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from meshrun.errors import ConfigError
+from meshrun.models.args import ModelArgs
+
+CONFIG_FILE = "config.json"
+
+SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
+"""Decoder-only families with Llama's structure (embed_tokens, layers of self_attn + mlp, norm,
+lm_head; rotary positions; a `base_model_tp_plan` of colwise/rowwise): the adapter drives their
+decoder layers as they are. Others (mixture of experts, sliding-window mixes, encoder-decoders,
+vision towers) have other block inputs or other parallel plans, and are refused."""
+
+# [model] keys that describe the built-in decoder: the HF config.json says all of these.
+SIZE_KEYS = ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden", "max_seq_len",
+             "tie_embeddings", "rope_theta", "norm_eps")
+
+
+def read_hf_config(path: str) -> dict[str, Any]:
+    """config.json of the HF directory `path`, checked: a directory, readable JSON, a supported
+    `model_type`, and safetensors weights. One ConfigError naming model.hf otherwise."""
+    where = f"model.hf={path!r}"
+    root = Path(path).expanduser()
+    if not root.is_dir():
+        raise ConfigError(f"{where} is not a directory; give a local directory with config.json and "
+                          "*.safetensors (e.g. from save_pretrained)")
+    try:
+        config = json.loads((root / CONFIG_FILE).read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{where} has no {CONFIG_FILE}; give the directory save_pretrained wrote") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ConfigError(f"{where}: {CONFIG_FILE} is not readable JSON ({type(exc).__name__}: "
+                          f"{' '.join(str(exc).split())})") from None
+    if not isinstance(config, dict):
+        raise ConfigError(f"{where}: {CONFIG_FILE} holds {type(config).__name__}, not a JSON object")
+    kind = config.get("model_type")
+    if kind not in SUPPORTED:
+        raise ConfigError(f"{where}: model_type {kind!r} is not supported; supported: {', '.join(SUPPORTED)} "
+                          "(Llama-structured decoders)")
+    if not any(root.glob("*.safetensors")):
+        raise ConfigError(f"{where} has no *.safetensors weights; save the model with "
+                          "save_pretrained(DIR) (safe_serialization, the default)")
+    return config
+
+
+def check_hf_section(model: Any) -> None:
+    """model.hf against the other [model] keys: the directory gives the architecture and the
+    weights, so factory, init_from and the size keys would contradict it."""
+    if not model.hf:
+        return
+    if model.factory:
+        raise ConfigError(f"model.hf={model.hf!r} and model.factory={model.factory!r} both build the model; "
+                          "set one of them")
+    if model.init_from:
+        raise ConfigError(f"model.hf={model.hf!r} loads its own weights, so model.init_from="
+                          f"{model.init_from!r} would overwrite them; drop model.init_from")
+    for key in SIZE_KEYS:
+        value = getattr(model, key)
+        if value not in (0, None, "") and value is not False:
+            raise ConfigError(f"model.{key}={value!r} cannot change the shape of model.hf={model.hf!r} "
+                              f"(its {CONFIG_FILE} says it); drop model.{key}")
+    read_hf_config(model.hf)
+
+
+def model_args_from_hf(path: str, vocab_size: int | None = None) -> ModelArgs:
+    """The built-in `ModelArgs` with the HF model's shape: what the layout rules, `meshrun plan`
+    and the FLOPs count read. `vocab_size` is the tokenizer's: it must fit the model's."""
+    c = read_hf_config(path)
+    heads = int(c["num_attention_heads"])
+    model_vocab = int(c["vocab_size"])
+    if vocab_size and vocab_size > model_vocab:
+        raise ConfigError(f"data.tokenizer has {vocab_size} ids but model.hf={path!r} has vocab_size="
+                          f"{model_vocab}; use the model's own tokenizer (or one with at most {model_vocab} ids)")
+    rope = c.get("rope_parameters") or {}
+    return ModelArgs(
+        vocab_size=model_vocab,
+        dim=int(c["hidden_size"]),
+        n_layers=int(c["num_hidden_layers"]),
+        n_heads=heads,
+        n_kv_heads=int(c.get("num_key_value_heads") or heads),
+        ffn_hidden=int(c["intermediate_size"]),
+        max_seq_len=int(c.get("max_position_embeddings") or 2048),
+        tie_embeddings=bool(c.get("tie_word_embeddings", False)),
+        rope_theta=float(rope.get("rope_theta") or c.get("rope_theta") or 10000.0),
+        norm_eps=float(c.get("rms_norm_eps") or 1e-6),
+    )

@@ -1,0 +1,58 @@
+"""model.hf before torch: the directory's shape as ModelArgs, and the one-line refusals."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from meshrun.config import load_config
+from meshrun.errors import ConfigError
+from meshrun.models.from_config import model_args_from_config
+from meshrun.models.hf_config import SUPPORTED, model_args_from_hf
+
+QWEN3 = {"model_type": "qwen3", "hidden_size": 32, "num_hidden_layers": 3, "num_attention_heads": 4,
+         "num_key_value_heads": 2, "intermediate_size": 64, "vocab_size": 300, "max_position_embeddings": 64,
+         "tie_word_embeddings": True, "rope_parameters": {"rope_theta": 5e5, "rope_type": "default"},
+         "rms_norm_eps": 1e-6}
+
+
+def _hf_dir(tmp_path, config: dict):
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    return tmp_path
+
+
+def test_the_shape_comes_from_config_json(tmp_path):
+    path = str(_hf_dir(tmp_path, QWEN3))
+    args = model_args_from_hf(path, vocab_size=259)
+    assert (args.dim, args.n_layers, args.n_heads, args.n_kv_heads, args.ffn_hidden) == (32, 3, 4, 2, 64)
+    assert (args.vocab_size, args.max_seq_len, args.tie_embeddings, args.rope_theta) == (300, 64, True, 5e5)
+    # the planner and the pre-flight read the same through the [model] section
+    assert model_args_from_config(load_config(None, [f"model.hf={path}"]).model, 259) == args
+
+
+def test_a_tokenizer_larger_than_the_model_is_one_line(tmp_path):
+    with pytest.raises(ConfigError, match=r"data.tokenizer has 301 ids but model.hf=.* has vocab_size=300"):
+        model_args_from_hf(str(_hf_dir(tmp_path, QWEN3)), vocab_size=301)
+
+
+@pytest.mark.parametrize("override, message", [
+    ("model.init_from=w.pt", "model.init_from"),
+    ("model.n_layers=4", "model.n_layers=4 cannot change the shape"),
+    ("model.tie_embeddings=true", "model.tie_embeddings=True"),
+])
+def test_keys_that_contradict_the_directory_are_refused(tmp_path, override, message):
+    path = _hf_dir(tmp_path, QWEN3)
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, [f"model.hf={path}", override])
+
+
+def test_an_unsupported_model_type_lists_the_supported_ones(tmp_path):
+    path = _hf_dir(tmp_path, {**QWEN3, "model_type": "mixtral"})
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [f"model.hf={path}"])
+    assert "'mixtral' is not supported" in str(err.value) and all(k in str(err.value) for k in SUPPORTED)
+    (path / "config.json").write_text("{not json")
+    with pytest.raises(ConfigError, match="not readable JSON"):
+        load_config(None, [f"model.hf={path}"])
