@@ -46,7 +46,8 @@ def _reference_losses(run_dir, dp: int) -> list[float]:
 
     from meshrun.config import load_config
     from meshrun.data.loader import build_loaders
-    from meshrun.train.optim import build_optimizer, build_scheduler
+    from meshrun.train.optimizers import build_optimizer
+    from meshrun.train.schedules import build_scheduler
 
     cfg = load_config(run_dir / "config.toml")
     model = AutoModelForCausalLM.from_pretrained(cfg.model.hf, dtype=torch.float32)

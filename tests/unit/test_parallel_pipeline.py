@@ -8,7 +8,7 @@ from meshrun.config import load_config
 from meshrun.errors import ConfigError
 from meshrun.models.llama import ModelArgs, Transformer
 from meshrun.parallel.pipeline import stage_module
-from meshrun.parallel.rules import SCHEDULES, plan_pipeline, split_layers
+from meshrun.parallel.rules_pp import SCHEDULES, plan_pipeline, split_layers
 from meshrun.plan.show import stage_of_block
 
 

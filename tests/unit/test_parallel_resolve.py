@@ -1,10 +1,11 @@
 """The layout resolver: every rule through `resolve_layout`, each message naming its key, and each
-message written once in src/ (meshrun.parallel.rules)."""
+message written once in src/ (meshrun.parallel.rules*)."""
 
 from __future__ import annotations
 
 import ast
 import dataclasses
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -25,6 +26,7 @@ from meshrun.parallel.resolve import (
 )
 
 SRC = Path(__file__).resolve().parents[2] / "src" / "meshrun"
+RULE_MODULES = re.compile(r"parallel/rules(_\w+)?\.py")  # the modules that own the layout rules
 MODEL = ModelShape(n_heads=4, n_kv_heads=2, n_layers=4, tie_embeddings=False)
 FSDP = dict(strategy="fsdp", dp_replicate=1, dp_shard=1)
 
@@ -96,10 +98,10 @@ def test_stated_degrees_need_no_world_size():
 def test_dtype_table():
     import torch
 
-    assert DTYPE_NAMES == ("fp32", "bf16")
-    assert (torch_dtype("fp32"), torch_dtype("bf16")) == (torch.float32, torch.bfloat16)
-    with pytest.raises(ConfigError, match="dtype must be one of 'fp32', 'bf16', got 'fp16'"):
-        torch_dtype("fp16")
+    assert DTYPE_NAMES == ("fp32", "bf16", "fp16")
+    assert [torch_dtype(n) for n in DTYPE_NAMES] == [torch.float32, torch.bfloat16, torch.float16]
+    with pytest.raises(ConfigError, match="dtype must be one of 'fp32', 'bf16', 'fp16', got 'fp8'"):
+        torch_dtype("fp8")
 
 
 # -- every rule, through the one call: each message names its key ---------------------------------
@@ -117,11 +119,14 @@ RULES = [
     (dict(pp_microbatches=-1), 4, "parallel.pp_microbatches must be >= 0 (0 = one per stage), got -1"),
     (dict(pp_stages_per_rank=-1), 4, "parallel.pp_stages_per_rank must be >= 0"),
     (dict(pp_split_points=3), 4, "parallel.pp_split_points must be a string"),
-    (dict(param_dtype="fp16"), 4, "parallel.param_dtype must be one of 'auto', 'fp32', 'bf16', got 'fp16'"),
-    (dict(reduce_dtype="auto"), 4, "parallel.reduce_dtype must be one of 'fp32', 'bf16', got 'auto'"),
+    (dict(param_dtype="fp8"), 4, "parallel.param_dtype must be one of 'auto', 'fp32', 'bf16', 'fp16', got 'fp8'"),
+    (dict(reduce_dtype="auto"), 4, "parallel.reduce_dtype must be one of 'fp32', 'bf16', 'fp16', got 'auto'"),
     (dict(batch_size=0), 4, "train.batch_size must be >= 1, got 0"),
     (dict(grad_accum=0), 4, "train.grad_accum must be >= 1, got 0"),
-    (dict(dtype="fp16"), 4, "train.dtype must be one of 'fp32', 'bf16', got 'fp16'"),
+    (dict(dtype="fp8"), 4, "train.dtype must be one of 'fp32', 'bf16', 'fp16', got 'fp8'"),
+    (dict(dtype="fp16", pp=2), 4, "train.dtype='fp16' needs a loss scale, which the pipeline schedule of parallel.pp=2"),
+    (dict(strategy="fsdp", param_dtype="fp16", dtype="bf16"), 4,
+     "parallel.param_dtype='fp16' computes in fp16 without a gradient scaler under train.dtype='bf16'"),
     (dict(strategy="fsdp", sequence_parallel=True), 4,
      "parallel.sequence_parallel=true splits over tensor-parallel ranks, but parallel.tp=1"),
     (dict(strategy="fsdp", sequence_parallel=True, loss_parallel=True), 4,
@@ -159,7 +164,7 @@ RULES = [
      "parallel.pp_microbatches=5 must be a multiple of parallel.pp=2 (or at most 2) for 'interleaved_1f1b'"),
 ]
 
-OPTION_RULES = 18
+OPTION_RULES = 20
 
 
 @pytest.mark.parametrize(("kwargs", "world", "expected"), RULES, ids=[r[2][:50] for r in RULES])
@@ -203,6 +208,9 @@ def test_resolve_imports_no_torch():
 
 # Distinctive pieces of every layout message, as written in the source.
 MESSAGES = [
+    "needs a loss scale, which the pipeline schedule",
+    "computes in fp16 without a gradient scaler",
+    "cannot update FSDP/TP parameter shards",
     "an integer >= 1 or -1 (the ranks left)",
     "world size must be an integer >= 1",
     "may be -1, ",
@@ -237,7 +245,8 @@ def _sources() -> dict[Path, str]:
 def test_each_layout_message_is_written_once_in_rules(fragment):
     where = [(path.relative_to(SRC).as_posix(), text.count(fragment))
              for path, text in _sources().items() if fragment in text]
-    assert where == [("parallel/rules.py", 1)], where
+    assert len(where) == 1 and where[0][1] == 1, where  # once, in one of the parallel/rules*.py modules
+    assert RULE_MODULES.fullmatch(where[0][0]), where
 
 
 def _message_text(node: ast.Raise) -> str:
@@ -251,7 +260,7 @@ def _message_text(node: ast.Raise) -> str:
 def test_no_config_error_outside_rules_names_a_parallel_key():
     found = []
     for path, text in _sources().items():
-        if path.name == "rules.py" and path.parent.name == "parallel":
+        if RULE_MODULES.fullmatch(path.relative_to(SRC).as_posix()):
             continue
         for node in ast.walk(ast.parse(text)):
             if (isinstance(node, ast.Raise) and isinstance(node.exc, ast.Call)

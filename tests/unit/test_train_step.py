@@ -9,7 +9,7 @@ import torch
 
 from meshrun.models.llama import ModelArgs, Transformer
 from meshrun.parallel.checkpointing import apply_activation_checkpointing
-from meshrun.train.optim import lr_factor
+from meshrun.train.schedules import lr_factor
 from meshrun.train.step import lm_loss, train_step
 
 

@@ -32,6 +32,12 @@ if TYPE_CHECKING:
 _OPTIM = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
+def inner_optimizers(optimizer: torch.optim.Optimizer):
+    """What DCP saves and loads for `optimizer`: it, or the torch optimizers it steps together
+    (`optimizers`, e.g. meshrun.train.optimizers.MuonWithAdamW); DCP takes a list per part."""
+    return getattr(optimizer, "optimizers", optimizer)
+
+
 @dataclass
 class TrainState:
     """The live objects of one run; `step` counts optimizer steps completed.
@@ -48,6 +54,7 @@ class TrainState:
     train_loader: InfiniteLoader
     step: int = 0
     extra: dict = field(default_factory=dict)  # small picklable items to carry (e.g. losses so far)
+    scaler: object | None = None  # fp16's gradient scaler (meshrun.train.precision.LossScaler), or None
 
 
 def tensor_state(state: TrainState) -> dict:
@@ -55,7 +62,7 @@ def tensor_state(state: TrainState) -> dict:
     model, optim = {}, {}
     for part, opt in zip(state.model_parts, state.optimizers, strict=True):
         model.update(get_model_state_dict(part))
-        optim.update(get_optimizer_state_dict(part, opt, options=_OPTIM))
+        optim.update(get_optimizer_state_dict(part, inner_optimizers(opt), options=_OPTIM))
     return {"model": model, "optim": optim}
 
 
@@ -64,7 +71,7 @@ def apply_tensor_state(state: TrainState, loaded: dict) -> None:
     for part, opt in zip(state.model_parts, state.optimizers, strict=True):
         own = get_model_state_dict(part)
         set_model_state_dict(part, {k: loaded["model"][k] for k in own})
-        set_optimizer_state_dict(part, opt, loaded["optim"], options=_OPTIM)
+        set_optimizer_state_dict(part, inner_optimizers(opt), loaded["optim"], options=_OPTIM)
 
 
 def train_state(state: TrainState, *, layout: dict, config_toml: str) -> dict:
@@ -76,6 +83,7 @@ def train_state(state: TrainState, *, layout: dict, config_toml: str) -> dict:
         "layout": layout,
         "config": config_toml,
         "extra": dict(state.extra),
+        "scaler": state.scaler.state_dict() if state.scaler is not None else None,
     }
 
 
@@ -85,6 +93,8 @@ def apply_train_state(state: TrainState, saved: dict) -> None:
         scheduler.load_state_dict(saved["schedulers"])
     state.train_loader.load_state_dict(saved["data"])
     state.extra.update(saved.get("extra", {}))
+    if state.scaler is not None and saved.get("scaler"):
+        state.scaler.load_state_dict(saved["scaler"])
 
 
 def rng_state() -> dict:

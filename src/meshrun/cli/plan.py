@@ -68,8 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="samples per micro-batch per data-parallel rank; default: train.batch_size")
     p.add_argument("--seq-len", type=_positive_int, default=None,
                    help="tokens per sample; default: data.seq_len")
-    p.add_argument("--dtype", choices=("fp32", "bf16"), default=None,
-                   help="activation dtype (bf16 = autocast); default: train.dtype")
+    p.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default=None,
+                   help="activation dtype (bf16, fp16 = autocast); default: train.dtype")
     p.add_argument("--activation-checkpointing", action="store_true", default=None,
                    help="recompute blocks in backward (default: train.activation_checkpointing)")
     p.add_argument("--top", type=_positive_int, default=12,

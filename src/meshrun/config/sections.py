@@ -13,8 +13,13 @@ from meshrun.config.base import Section, doc_field, fmt
 from meshrun.config.trackers import check_tracker_names, tracker_names
 from meshrun.errors import ConfigError
 from meshrun.parallel.resolve import DTYPE_NAMES, ParallelOptions, check_options
+from meshrun.parallel.rules import check_optimizer_shards, shards_parameters
 
-SCHEDULES = ("cosine", "constant", "linear")
+SCHEDULES = ("cosine", "constant", "linear", "wsd")  # optim.schedule (meshrun.train.schedules)
+OPTIMIZERS = ("adamw", "adam", "sgd", "adafactor", "muon")  # optim.name (meshrun.train.optimizers)
+IMPLEMENTATIONS = ("auto", "fused", "foreach", "for-loop")  # optim.implementation
+FUSED = ("adamw", "adam", "sgd")  # the torch.optim classes with a fused kernel
+FOREACH = ("adamw", "adam", "sgd", "adafactor")  # ... and with a multi-tensor (foreach) one
 _FACTORY = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
 _NNODES = re.compile(r"^(\d+)(?::(\d+))?$")
 
@@ -84,7 +89,8 @@ class TrainSection(Section):
     steps: int = doc_field(300, "Optimizer steps to run.")
     batch_size: int = doc_field(16, "Samples per micro-batch on each data-parallel rank; global batch = this x grad_accum x ranks.")
     grad_accum: int = doc_field(1, "Micro-batches per optimizer step; gradients sync on the last one only.")
-    dtype: str = doc_field("fp32", "'fp32', or 'bf16' for bf16 autocast (weights and optimizer state stay fp32).")
+    dtype: str = doc_field("fp32", "'fp32', 'bf16' (bf16 autocast; FSDP computes in bf16), or 'fp16' (the same with a gradient scaler); weights and optimizer state stay fp32.")
+    loss_scale: float = doc_field(65536.0, "fp16 only: the gradient scaler's initial loss scale (halved on each overflow, which skips that step; doubled after 2000 clean steps).")
     seed: int = doc_field(1337, "Seed for the initial weights and the data order; the same seed gives the same run.")
     eval_interval: int = doc_field(100, "Steps between eval passes; 0 = only at the end.")
     eval_steps: int = doc_field(20, "Batches per eval pass, on each rank.")
@@ -98,6 +104,7 @@ class TrainSection(Section):
         for name in ("steps", "batch_size", "grad_accum", "eval_steps", "log_interval"):
             self.at_least(name, 1)
         self.one_of("dtype", DTYPE_NAMES)
+        self.require("loss_scale", self.loss_scale > 0, "> 0")
         self.at_least("seed", 0)
         self.at_least("eval_interval", 0, " (0 = only at the end)")
         self.at_least("grad_clip", 0, " (0 = off)")
@@ -107,28 +114,41 @@ class TrainSection(Section):
 
 @dataclass(frozen=True)
 class OptimSection(Section):
-    """AdamW and its learning-rate schedule (linear warmup, then decay to min_lr)."""
+    """The optimizer (torch.optim) and its learning-rate schedule (linear warmup, then decay to min_lr)."""
 
     section = "optim"
-    lr: float = doc_field(1e-3, "Peak learning rate, reached at the end of warmup.")
-    min_lr: float = doc_field(1e-4, "Learning rate at the last step (cosine/linear decay ends here); <= lr.")
-    weight_decay: float = doc_field(0.1, "AdamW decoupled weight decay, on weight matrices only.")
-    beta1: float = doc_field(0.9, "AdamW first-moment decay, in [0, 1).")
-    beta2: float = doc_field(0.95, "AdamW second-moment decay, in [0, 1).")
-    eps: float = doc_field(1e-8, "AdamW denominator epsilon, > 0.")
+    name: str = doc_field("adamw", "'adamw', 'adam' (weight decay as L2), 'sgd', 'adafactor', or 'muon' (hidden matrices; AdamW for embeddings, head, gains, biases).")
+    lr: float = doc_field(1e-3, "Peak learning rate, reached at the end of warmup (Muon's is scaled to match AdamW's update size).")
+    min_lr: float = doc_field(1e-4, "Learning rate the decay ends at (cosine, linear, wsd); <= lr.")
+    weight_decay: float = doc_field(0.1, "Weight decay, on matrices and embeddings only (2+ dims), never on norm gains or biases.")
+    beta1: float = doc_field(0.9, "Adam/AdamW first-moment decay, in [0, 1).")
+    beta2: float = doc_field(0.95, "Adam/AdamW second-moment decay, in [0, 1).")
+    eps: float = doc_field(1e-8, "Adam/AdamW denominator epsilon, > 0.")
+    momentum: float = doc_field(0.9, "SGD momentum, in [0, 1); 0 = plain SGD.")
+    nesterov: bool = doc_field(False, "SGD with Nesterov momentum (needs momentum > 0).")
+    implementation: str = doc_field("auto", "'auto' = the fused kernel where the optimizer has one for the device, else torch's default (foreach on GPUs, for-loop on CPU); or 'fused', 'foreach', 'for-loop'.")
     warmup_steps: int = doc_field(30, "Steps of linear warmup from 0 to lr; 0 = start at lr.")
-    schedule: str = doc_field("cosine", "After warmup: 'cosine' or 'linear' decay to min_lr, or 'constant' at lr.")
+    schedule: str = doc_field("cosine", "After warmup: 'cosine' or 'linear' decay to min_lr, 'constant' at lr, or 'wsd' (stable at lr, then linear decay over decay_fraction).")
+    decay_fraction: float = doc_field(0.2, "With schedule 'wsd': share of the steps after warmup spent decaying, in (0, 1].")
 
     def validate(self) -> None:
+        self.one_of("name", OPTIMIZERS)
         self.require("lr", self.lr > 0, "> 0")
         self.at_least("min_lr", 0)
         self.require("min_lr", self.min_lr <= self.lr, f"<= optim.lr ({self.lr})")
         self.at_least("weight_decay", 0)
-        for name in ("beta1", "beta2"):
+        for name in ("beta1", "beta2", "momentum"):
             self.require(name, 0 <= getattr(self, name) < 1, "in [0, 1)")
         self.require("eps", self.eps > 0, "> 0")
+        self.require("nesterov", not self.nesterov or self.momentum > 0, "false when optim.momentum = 0 (or set momentum > 0)")
+        self.one_of("implementation", IMPLEMENTATIONS)
+        for kind, names in (("fused", FUSED), ("foreach", FOREACH)):
+            ok = self.implementation != kind or self.name in names or self.name == "muon"  # its AdamW
+            self.require("implementation", ok, f"'auto' or 'for-loop' with optim.name = {self.name!r} "
+                          f"(a {kind} kernel exists for {', '.join(names)})")
         self.at_least("warmup_steps", 0)
         self.one_of("schedule", SCHEDULES)
+        self.require("decay_fraction", 0 < self.decay_fraction <= 1, "in (0, 1]")
 
 
 @dataclass(frozen=True)
@@ -238,6 +258,8 @@ class JobConfig:
             if not isinstance(getattr(self, name), cls):
                 raise ConfigError(f"{name} must be a {cls.__name__}, got {fmt(getattr(self, name))}")
         model, data = self.model, self.data
+        if shards_parameters(self.parallel.strategy, ParallelOptions.from_sections(self.parallel).degrees):
+            check_optimizer_shards(self.optim.name, self.optim.implementation)
         if model.max_seq_len and data.seq_len > model.max_seq_len:
             raise ConfigError(
                 f"data.seq_len ({data.seq_len}) must be <= model.max_seq_len ({model.max_seq_len}); "

@@ -73,15 +73,19 @@ class BuiltLayout:
             part.train()
 
     def step(self, optimizers: list[torch.optim.Optimizer], batches: Batches, *, grad_accum: int,
-             dtype: str, grad_clip: float, need_grad_norm: bool = True) -> tuple[torch.Tensor, torch.Tensor, float]:
+             dtype: str, grad_clip: float, need_grad_norm: bool = True,
+             scaler=None) -> tuple[torch.Tensor, torch.Tensor, float]:
         """One optimizer step over `grad_accum` micro-batches: (this rank's loss, grad norm, seconds).
 
-        The loss is not yet averaged over the ranks (`mean_loss`, a collective, does that)."""
+        The loss is not yet averaged over the ranks (`mean_loss`, a collective, does that).
+        `scaler`: fp16's LossScaler (meshrun.train.precision); pipelines refuse fp16 (rules)."""
         common = dict(grad_accum=grad_accum, device=self.device, dtype=dtype, grad_clip=grad_clip,
                       need_grad_norm=need_grad_norm)
         if self.pipeline is not None:
+            assert scaler is None, "fp16 under pp is refused by meshrun.parallel.rules.check_precision"
             return train_step_pp(self.pipeline, optimizers, batches, pp_group=self.pp_group, **common)
-        return train_step(self.parts[0], optimizers[0], batches, loss_parallel=self.loss_parallel, **common)
+        return train_step(self.parts[0], optimizers[0], batches, loss_parallel=self.loss_parallel,
+                          scaler=scaler, **common)
 
     def evaluate(self, batches, *, steps: int, dtype: str) -> float:
         """Mean held-out loss over up to `steps` batches, averaged over the ranks (every rank calls it)."""

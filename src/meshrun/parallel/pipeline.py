@@ -28,11 +28,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from meshrun.errors import ConfigError
-from meshrun.parallel.rules import (
+from meshrun.parallel.rules import check_tied_pipeline
+from meshrun.parallel.rules_pp import (
     SCHEDULES,
     PipelinePlan,
-    check_tied_pipeline,
-    plan_pipeline,  # noqa: F401 (re-exported; meshrun.parallel.rules owns the pipeline rules)
+    plan_pipeline,  # noqa: F401 (re-exported; meshrun.parallel.rules_pp owns the pipeline rules)
     split_layers,  # noqa: F401
 )
 

@@ -1,4 +1,4 @@
-"""`PipelinePlan`: a resolved pipeline layout, the value `meshrun.parallel.rules.plan_pipeline`
+"""`PipelinePlan`: a resolved pipeline layout, the value `meshrun.parallel.rules_pp.plan_pipeline`
 returns and the build follows. Pure Python, no torch."""
 
 from __future__ import annotations

@@ -18,9 +18,10 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
 
-from meshrun.parallel import rules
+from meshrun.parallel import rules, rules_pp
 from meshrun.parallel.dims import ParallelDims
-from meshrun.parallel.rules import DEGREES, DTYPE_NAMES, SCHEDULES, STRATEGIES, PipelinePlan
+from meshrun.parallel.rules import DEGREES, DTYPE_NAMES, STRATEGIES
+from meshrun.parallel.rules_pp import SCHEDULES, PipelinePlan
 
 if TYPE_CHECKING:  # no meshrun.config import, not even here: config imports this module
     import torch
@@ -35,11 +36,11 @@ TRAIN_KEYS = ("batch_size", "grad_accum", "dtype", "activation_checkpointing")
 
 
 def torch_dtype(name: str) -> torch.dtype:
-    """'fp32' -> torch.float32, 'bf16' -> torch.bfloat16 (the one table; torch loads here)."""
+    """'fp32' -> torch.float32, 'bf16' -> torch.bfloat16, 'fp16' -> torch.float16 (the one table)."""
     import torch
 
     rules.check_choice("dtype", name, DTYPE_NAMES)
-    return {"fp32": torch.float32, "bf16": torch.bfloat16}[name]
+    return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[name]
 
 
 @dataclass(frozen=True)
@@ -182,6 +183,7 @@ def check_options(options: ParallelOptions) -> None:
     rules.check_count("train.grad_accum", o.grad_accum, 1)
     rules.check_choice("train.dtype", o.dtype, DTYPE_NAMES)
     rules.check_tp_features(o.tp, o.pp, o.sequence_parallel, o.loss_parallel)
+    rules.check_precision(o.dtype, o.pp, o.param_dtype)
 
 
 def resolve_layout(options: ParallelOptions, world_size: int, model: ModelShape | None = None) -> Layout:
@@ -191,13 +193,14 @@ def resolve_layout(options: ParallelOptions, world_size: int, model: ModelShape 
     degrees = rules.resolve_degrees(stated_degrees(options), world_size, strategy=options.strategy)
     dims = ParallelDims(**degrees, world_size=world_size)
     rules.check_tp_features(dims.tp, dims.pp, options.sequence_parallel, options.loss_parallel)
+    rules.check_precision(options.dtype, dims.pp, options.param_dtype)
     shape = model or ModelShape()
     rules.check_model_shape(tp=dims.tp, pp=dims.pp, world_size=world_size, n_heads=shape.n_heads,
                             n_kv_heads=shape.n_kv_heads or shape.n_heads, n_layers=shape.n_layers,
                             tie_embeddings=shape.tie_embeddings)
     pipeline = None
     if dims.pp > 1:
-        pipeline = rules.plan_pipeline(
+        pipeline = rules_pp.plan_pipeline(
             pp=dims.pp, schedule=options.pp_schedule, stages_per_rank=options.pp_stages_per_rank,
             split_points=options.pp_split_points, n_layers=shape.n_layers,
             batch_size=options.batch_size, microbatches=options.pp_microbatches,

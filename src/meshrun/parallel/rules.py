@@ -1,11 +1,12 @@
-"""Every parallel layout rule and its one-line message; `meshrun.parallel.resolve` composes them.
+"""The parallel layout rules and their one-line messages; `meshrun.parallel.resolve` composes them.
 
 Pure Python, no torch: config validation, `meshrun plan`, pre-flight and the build all call these
 before any process group exists. Each rule raises one `ConfigError` that names the keys, their
-values and a fix. No other module in src/ raises a layout message of its own (checked by
+values and a fix. No module but these raises a layout message of its own (checked by
 tests/unit/test_parallel_resolve.py), so a new parallelism adds its rules here, once. In order:
-single keys, degrees vs world size, TP features, the model's shape, the pipeline plan (its
-schedules, and the papers they come from, are `meshrun.parallel.pipeline`'s).
+single keys, degrees vs world size, TP features, the model's shape. The pipeline plan's rules
+(schedules, micro-batches, split points) are in `meshrun.parallel.rules_pp`: every layout rule
+lives in a `rules*.py` module of this package.
 """
 
 from __future__ import annotations
@@ -14,27 +15,11 @@ from math import gcd, prod
 from typing import Any
 
 from meshrun.errors import ConfigError
-from meshrun.parallel.pipeline_plan import PipelinePlan
 
 STRATEGIES = ("ddp", "fsdp")
 DEGREES = ("dp_replicate", "dp_shard", "tp", "pp")
-DTYPE_NAMES = ("fp32", "bf16")  # `meshrun.parallel.resolve.torch_dtype` maps them to torch
+DTYPE_NAMES = ("fp32", "bf16", "fp16")  # `meshrun.parallel.resolve.torch_dtype` maps them to torch
 MODEL_KEYS = ("n_heads", "n_kv_heads", "n_layers", "tie_embeddings")  # what the rules read of a model
-
-# meshrun name -> (torch class name for get_schedule_class, several stages per rank).
-# Left out, measured on torch 2.13 / gloo: ZBVZeroBubble trains right without data parallel but
-# its `eval()` fails ("can't steal_bwd_input"), and DualPipeV needs overlapped F/B callbacks.
-SCHEDULES: dict[str, tuple[str, bool]] = {
-    "gpipe": ("GPipe", False),
-    "1f1b": ("1F1B", False),
-    "interleaved_1f1b": ("Interleaved1F1B", True),
-    "looped_bfs": ("LoopedBFS", True),
-    "interleaved_zero_bubble": ("InterleavedZeroBubble", True),
-}
-# Zero bubble splits each backward into input and weight gradients; with fully_shard data
-# parallel the losses drift from one process (3.8629 vs 3.8645 at step 2 here), so it is
-# refused with dp > 1.
-ZERO_BUBBLE = ("interleaved_zero_bubble",)
 
 
 def divisors(n: int) -> list[int]:
@@ -161,6 +146,44 @@ def check_hf_tp(hf: str, sequence_parallel: bool, styles: dict[str, str], suppor
         raise ConfigError(f"{where}: {what}; set parallel.tp=1")
 
 
+def check_precision(dtype: str, pp: int, param_dtype: str = "auto") -> None:
+    """fp16 needs its gradient scaler: the pipeline schedule computes (and backpropagates) the
+    loss itself, where no scaler multiplies it; and fp16 FSDP parameters need train.dtype fp16."""
+    if dtype == "fp16" and pp > 1:
+        raise ConfigError(f"train.dtype='fp16' needs a loss scale, which the pipeline schedule of "
+                          f"parallel.pp={pp} does not apply; use train.dtype='bf16' or parallel.pp=1")
+    if param_dtype == "fp16" and dtype != "fp16":
+        raise ConfigError(f"parallel.param_dtype='fp16' computes in fp16 without a gradient scaler under "
+                          f"train.dtype={dtype!r}; set train.dtype='fp16' (it scales) or param_dtype 'auto'")
+
+
+# What torch 2.13's optimizers cannot do on DTensor parameters (FSDP, TP), measured here:
+# Adafactor's row/column norms need in-place placement changes (both kernels), and fused SGD
+# has no sharding rule (fused Adam/AdamW have one; `optim.implementation = "auto"` avoids it).
+NO_DTENSOR = {("adafactor", "fused"), ("adafactor", "foreach"), ("adafactor", "for-loop"),
+              ("adafactor", "auto"), ("sgd", "fused")}
+
+
+def updates_shards(name: str, implementation: str) -> bool:
+    """Whether optimizer `name` with this kernel can update DTensor parameters."""
+    return (name, implementation) not in NO_DTENSOR
+
+
+def check_optimizer_shards(name: str, implementation: str) -> None:
+    """An optimizer (and kernel) that must update DTensor shards (FSDP, TP) can do so."""
+    if not updates_shards(name, implementation):
+        what = f"optim.name={name!r}" + (f" with optim.implementation={implementation!r}" if name == "sgd" else "")
+        fix = "use optim.implementation='foreach'" if name == "sgd" else "use another optim.name"
+        raise ConfigError(f"{what} cannot update FSDP/TP parameter shards (DTensors) on torch 2.13; {fix}, "
+                          "or parallel.strategy='ddp' without sharding")
+
+
+def shards_parameters(strategy: str, degrees: dict[str, int]) -> bool:
+    """Whether a layout makes parameters DTensors: FSDP sharding or TP (-1 counts as more than 1)."""
+    out = strategy_degrees(strategy, degrees)
+    return strategy == "fsdp" and (out["dp_shard"] != 1 or out["tp"] != 1)
+
+
 def model_shape_of(args: Any) -> dict[str, Any]:
     """n_heads, n_kv_heads (n_heads when unset), n_layers, tie_embeddings of an args object;
     None for what it does not say (a user model)."""
@@ -217,75 +240,3 @@ def model_fits(*, tp: int, pp: int, n_heads: int, n_kv_heads: int, n_layers: int
     """`check_model_shape` as a test (`meshrun plan` lists the layouts that pass)."""
     return (_heads_problem(tp, tp, n_heads, n_kv_heads) is None and pp <= n_layers
             and not (pp > 1 and tie_embeddings))
-
-
-def default_stages_per_rank(schedule: str, requested: int = 0) -> int:
-    """The stages each pipeline rank holds: `requested`, or for 0: 1 for single-stage schedules,
-    2 for the interleaved ones."""
-    check_choice("parallel.pp_schedule", schedule, SCHEDULES)
-    return requested or (2 if SCHEDULES[schedule][1] else 1)
-
-
-def plan_pipeline(*, pp: int, schedule: str, stages_per_rank: int, split_points: str,
-                  n_layers: int | None, batch_size: int, microbatches: int, dp_size: int = 1,
-                  world_size: int | None = None) -> PipelinePlan:
-    """Resolve and check a pipeline layout; every problem is one ConfigError naming the key.
-
-    stages_per_rank 0 = 1 for single-stage schedules, 2 for the others. split_points '' =
-    balanced (later stages take the remainder), else the first block of each stage after the
-    first, e.g. '1' or 'layers.1' for pp=2. microbatches 0 = one per stage. n_layers None =
-    the depth is not known (a user model): the split is left empty.
-    """
-    per_rank = default_stages_per_rank(schedule, stages_per_rank)
-    multi = SCHEDULES[schedule][1]
-    if schedule in ZERO_BUBBLE and dp_size > 1:
-        raise ConfigError(f"parallel.pp_schedule={schedule!r} does not train correctly with data "
-                          f"parallel ({dp_size} dp ranks) on torch 2.13; use 'interleaved_1f1b', "
-                          "or give the ranks to parallel.pp / parallel.tp")
-    if multi and per_rank < 2:
-        raise ConfigError(f"parallel.pp_schedule={schedule!r} interleaves several stages per rank, "
-                          f"but parallel.pp_stages_per_rank={per_rank}; set it to 2 or more "
-                          "(or 0 for 2), or use 'gpipe' / '1f1b'")
-    if not multi and per_rank != 1:
-        raise ConfigError(f"parallel.pp_schedule={schedule!r} runs one stage per rank, but "
-                          f"parallel.pp_stages_per_rank={per_rank}; use 1 (or 0), or an interleaved "
-                          "schedule such as 'interleaved_1f1b'")
-    num_stages = pp * per_rank
-    check_stages(pp, n_layers, world_size or pp, per_rank)
-    layers = split_layers(n_layers, num_stages, split_points) if n_layers is not None else []
-    n_micro = microbatches or num_stages
-    if batch_size % n_micro:
-        raise ConfigError(f"parallel.pp_microbatches={n_micro} does not divide train.batch_size="
-                          f"{batch_size}; valid: {_listing(divisors(batch_size))}")
-    if schedule == "1f1b" and n_micro < num_stages:
-        raise ConfigError(f"parallel.pp_schedule='1f1b' needs parallel.pp_microbatches >= the "
-                          f"{num_stages} stages, got {n_micro}")
-    rounds = max(1, n_micro // pp)  # torch's interleaved schedules run rounds of pp micro-batches
-    if schedule in ("interleaved_1f1b", "interleaved_zero_bubble") and n_micro % rounds:
-        raise ConfigError(f"parallel.pp_microbatches={n_micro} must be a multiple of parallel.pp={pp} "
-                          f"(or at most {pp}) for {schedule!r}")
-    return PipelinePlan(schedule, num_stages, per_rank, n_micro, layers)
-
-
-def split_layers(n_layers: int, num_stages: int, split_points: str = "") -> list[list[str]]:
-    """Block names per stage: balanced, or cut before each block index in `split_points`."""
-    if not split_points.strip():
-        # Stage s takes blocks [s*n/S, (s+1)*n/S): later stages get the remainder, the rule
-        # `meshrun plan` counts memory with (meshrun.plan.show.stage_of_block).
-        cuts = [s * n_layers // num_stages for s in range(1, num_stages)]
-    else:
-        cuts = []
-        for item in split_points.split(","):
-            text = item.strip().removeprefix("layers.")
-            if not text.isdigit():
-                raise ConfigError(f"parallel.pp_split_points={split_points!r}: {item.strip()!r} is not a "
-                                  "block index; write e.g. '2' or 'layers.2,layers.5'")
-            cuts.append(int(text))
-        if len(cuts) != num_stages - 1:
-            raise ConfigError(f"parallel.pp_split_points={split_points!r} gives {len(cuts) + 1} stages, "
-                              f"but the layout has {num_stages}; list {num_stages - 1} block indices")
-        if cuts != sorted(set(cuts)) or cuts[0] < 1 or cuts[-1] >= n_layers:
-            raise ConfigError(f"parallel.pp_split_points={split_points!r} must be increasing block "
-                              f"indices in 1..{n_layers - 1}, so every stage keeps a block")
-    bounds = [0, *cuts, n_layers]
-    return [[str(i) for i in range(bounds[s], bounds[s + 1])] for s in range(num_stages)]

@@ -31,10 +31,11 @@ from __future__ import annotations
 
 from meshrun.models.args import ModelArgs
 from meshrun.parallel.dims import ParallelDims
-from meshrun.parallel.rules import DTYPE_NAMES, check_choice, default_stages_per_rank
+from meshrun.parallel.rules import DTYPE_NAMES, check_choice
+from meshrun.parallel.rules_pp import default_stages_per_rank
 from meshrun.plan.show import stage_of_block
 
-DTYPE_BYTES = {"fp32": 4, "bf16": 2}
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 assert tuple(DTYPE_BYTES) == DTYPE_NAMES, "one element size per dtype name"
 
 

@@ -19,14 +19,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from meshrun.parallel.parallelize import clip_grad_norm_ as clip_dtensor_grad_norm_
-from meshrun.parallel.resolve import torch_dtype
-
-
-def autocast_context(device: torch.device, dtype: str):
-    """bf16 autocast on any device (CPU included); fp32 runs without autocast."""
-    if dtype == "fp32":
-        return contextlib.nullcontext()
-    return torch.autocast(device_type=device.type, dtype=torch_dtype(dtype))
+from meshrun.train.precision import LossScaler, autocast_context
 
 
 def lm_loss(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -75,8 +68,12 @@ def train_step(
     grad_clip: float,
     loss_parallel: bool = False,
     need_grad_norm: bool = True,
+    scaler: LossScaler | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, float]:
     """Run `grad_accum` micro-batches and one optimizer step.
+
+    With a `scaler` (fp16) backward runs on the scaled loss, the gradients are unscaled before
+    clipping, and a step whose gradients overflowed is skipped (the scaler counts it).
 
     Without clipping, the grad norm (a pass over every gradient, and a collective under
     FSDP/TP) is computed only when `need_grad_norm` (logging steps); otherwise it is NaN.
@@ -101,11 +98,13 @@ def train_step(
                 with autocast_context(device, dtype):
                     loss = lm_loss(model, inputs, targets) / grad_accum
                 forward_s += time.perf_counter() - started
-                loss.backward()
+                (scaler.scale(loss) if scaler is not None else loss).backward()
         if isinstance(loss, DTensor):
             loss = loss.full_tensor()
         total += loss.detach()
     max_norm = grad_clip if grad_clip > 0 else math.inf
+    if scaler is not None:
+        scaler.unscale_(optimizer)
     params = [p for p in model.parameters() if p.grad is not None]
     if grad_clip <= 0 and not need_grad_norm:
         grad_norm = _NOT_COMPUTED
@@ -113,7 +112,10 @@ def train_step(
         grad_norm = clip_dtensor_grad_norm_(params, max_norm)
     else:
         grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
-    optimizer.step()
+    if scaler is not None:
+        scaler.step(optimizer)
+    else:
+        optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return total, grad_norm, forward_s
 

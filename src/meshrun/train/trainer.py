@@ -36,8 +36,10 @@ from meshrun.parallel.layout import BuiltLayout, build_layout, is_meta
 from meshrun.parallel.resolve import ModelShape, ParallelOptions, resolve_layout, torch_dtype
 from meshrun.runtime.alloc import MemoryMarks
 from meshrun.runtime.process import DistEnv
-from meshrun.train.optim import build_optimizer, build_scheduler
+from meshrun.train.optimizers import build_optimizer
+from meshrun.train.precision import build_loss_scaler
 from meshrun.train.profile import StepProfiler, StepRange
+from meshrun.train.schedules import build_scheduler
 from meshrun.train.seed import seed_everything
 from meshrun.train.setup import (
     check_init_from,
@@ -108,7 +110,7 @@ def _loop(run: _Run, cfg: JobConfig, env: DistEnv, run_dir: Path, profiler: Step
         log_now = step % cfg.metrics.interval == 0 or step == tcfg.steps
         loss, grad_norm, compute_s = layout.step(
             state.optimizers, state.train_loader, grad_accum=tcfg.grad_accum, dtype=tcfg.dtype,
-            grad_clip=tcfg.grad_clip, need_grad_norm=log_now)
+            grad_clip=tcfg.grad_clip, need_grad_norm=log_now, scaler=state.scaler)
         lr = state.schedulers[0].get_last_lr()[0]
         for scheduler in state.schedulers:
             scheduler.step()
@@ -173,7 +175,8 @@ def _setup(cfg: JobConfig, env: DistEnv, run_dir: Path) -> _Run:
     # After materialisation and before any forward: FSDP2 swaps parameters in both.
     optimizers = [build_optimizer(part, cfg.optim) for part in layout.parts]
     schedulers = [build_scheduler(opt, cfg.optim, tcfg.steps) for opt in optimizers]
-    state = TrainState(layout.parts, optimizers, schedulers, train_batches)
+    scaler = build_loss_scaler(tcfg.dtype, layout.parts, env.device, init_scale=tcfg.loss_scale)
+    state = TrainState(layout.parts, optimizers, schedulers, train_batches, scaler=scaler)
     checkpointer = Checkpointer(cfg.checkpoint, run_dir=run_dir, env=env,
                                 layout=layout_record(cfg, layout.dp_size))
     try:
@@ -202,7 +205,8 @@ def _log_step(run: _Run, cfg: JobConfig, env: DistEnv, step: int, loss, grad_nor
         metrics.log_train(step, loss=value, lr=lr, grad_norm=float(grad_norm),
                           tokens_per_s=timing.tokens_per_s, step_time_s=timing.step_time_s,
                           peak_mem_bytes=peak_memory_bytes(env.device),
-                          peak_mem_kind=peak_memory_kind(env.device), mfu=flops)
+                          peak_mem_kind=peak_memory_kind(env.device), mfu=flops,
+                          skipped_steps=run.state.scaler.skipped_steps if run.state.scaler else None)
     progress.update(step, loss=value, tokens_per_s=timing.tokens_per_s)
 
 
