@@ -64,15 +64,19 @@ def check_out(out: Path, force: bool) -> None:
 
 def export_hf(ckpt: Path, out: Path, *, max_shard_size: str = DEFAULT_MAX_SHARD, force: bool = False) -> dict:
     """Write CKPT (a checkpoint, or a run directory) as a Hugging Face directory at OUT; returns a summary."""
-    from meshrun.checkpoint.export_tokenizer import token_ids, write_tokenizer_files
+    max_bytes = parse_size(max_shard_size)  # bad options and a taken OUT: one line before torch is imported
+    check_out(Path(out), force)
     from meshrun.checkpoint.model_source import open_source
+
+    return write_hf(open_source(Path(ckpt)), Path(out), max_bytes=max_bytes)
+
+
+def write_hf(source, out: Path, *, max_bytes: int) -> dict:
+    """Write a ModelSource (checkpoint/model_source.py) as a Hugging Face directory at OUT."""
+    from meshrun.checkpoint.export_tokenizer import token_ids, write_tokenizer_files
     from meshrun.checkpoint.to_hf import plan_for
 
-    max_bytes = parse_size(max_shard_size)
-    out = Path(out)
-    check_out(out, force)
     save_file = _save_file()
-    source = open_source(Path(ckpt))
     plan = plan_for(source.specs, source.config, token_ids(source.config))
     shards = plan_shards({name: source.nbytes(name) for name in plan.names}, max_bytes)
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"

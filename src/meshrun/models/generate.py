@@ -138,14 +138,16 @@ def load(path: Path) -> Loaded:
     if not path.exists():
         raise ConfigError(f"{path} does not exist; give a run directory (runs/NAME), a checkpoint "
                           "(runs/NAME/checkpoints/step-N) or a Hugging Face model directory")
-    transformers = need_transformers()
     from meshrun.checkpoint import manifest as mf
     from meshrun.checkpoint.runs import CONFIG_FILE
 
     is_run = mf.is_checkpoint(path) or (path / CONFIG_FILE).is_file()
-    if path.is_dir() and (path / "config.json").is_file() and not is_run:
-        return _load_hf_dir(transformers, path)
-    return _load_run(transformers, path)
+    if not is_run and not (path / "config.json").is_file():  # before the slow imports: bad input is quick
+        raise ConfigError(f"{path} is neither a meshrun run directory ({CONFIG_FILE}), a checkpoint "
+                          f"({mf.MANIFEST}) nor a Hugging Face model directory (config.json); give runs/NAME, "
+                          "runs/NAME/checkpoints/step-N or an HF directory")
+    transformers = need_transformers()
+    return _load_run(transformers, path) if is_run else _load_hf_dir(transformers, path)
 
 
 def _load_hf_dir(transformers, path: Path) -> Loaded:
