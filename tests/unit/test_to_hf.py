@@ -15,6 +15,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 from meshrun.checkpoint.export_hf import check_out, parse_size, plan_shards, write_hf  # noqa: E402
 from meshrun.checkpoint.model_source import ModelSource  # noqa: E402
+from meshrun.checkpoint.to_hf import hf_run_plan  # noqa: E402
 from meshrun.errors import ConfigError  # noqa: E402
 from meshrun.models.generate import Sampler  # noqa: E402
 from meshrun.models.hf_keys import from_hf_key  # noqa: E402
@@ -62,6 +63,8 @@ def test_hf_run_names_go_through_hf_keys(tmp_path: Path):
     assert "lm_head.weight" not in index["weight_map"]  # tied: written once, as HF writes it
     assert json.loads((tmp_path / "out" / "config.json").read_text()) == json.loads(
         (tmp_path / "base" / "config.json").read_text())
+    with pytest.raises(ConfigError, match="not a name of meshrun's Hugging Face adapter"):
+        hf_run_plan({"layers.0.attention.wq.weight": ((4, 4), torch.float32)}, str(tmp_path / "base"))
     back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", local_files_only=True).eval()
     tokens = torch.randint(0, 50, (1, 12), generator=torch.Generator().manual_seed(1))
     assert torch.equal(_logits(ref, tokens), _logits(back, tokens))

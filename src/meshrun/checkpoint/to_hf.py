@@ -155,7 +155,11 @@ def hf_run_plan(specs: dict[str, tuple], hf_dir: str) -> HFPlan:
     for name in specs:
         if ".rotary_emb." in f".{name}":
             continue  # derived buffers, never in an HF checkpoint
-        hf_name = to_hf_key(name)
+        try:
+            hf_name = to_hf_key(name)
+        except KeyError:
+            raise ConfigError(f"model.hf={hf_dir!r}: the checkpoint's tensor {name!r} is not a name of meshrun's "
+                              "Hugging Face adapter; was this run trained with [model] hf?") from None
         if not (tied and hf_name == "lm_head.weight"):
             names[name] = hf_name
     return HFPlan(config, names, {})
