@@ -24,7 +24,8 @@ MEASURE = r"""
 import json, resource, sys
 from pathlib import Path
 import safetensors.torch, torch, tokenizers  # noqa: F401 - everything export imports, before the baseline
-from meshrun.checkpoint import export, export_hf, export_tokenizer, model_source, to_hf  # noqa: F401
+from meshrun.checkpoint import export, export_tokenizer, model_source  # noqa: F401
+from meshrun.models import export_hf, to_hf  # noqa: F401
 from meshrun.config import loader  # noqa: F401
 def rss():
     return int(Path("/proc/self/statm").read_text().split()[1]) * resource.getpagesize()

@@ -62,7 +62,7 @@ def test_greedy_with_kv_cache_equals_full_recompute(run_dir: Path):
 
 
 def test_hf_directory_gives_the_same_text(run_dir: Path, tmp_path: Path):
-    from meshrun.checkpoint.export_hf import export_hf
+    from meshrun.models.export_hf import export_hf
 
     export_hf(run_dir, tmp_path / "hf")
     sampler = Sampler(max_new_tokens=20, temperature=0.9, top_k=40, top_p=0.95, seed=1)

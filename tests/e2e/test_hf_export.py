@@ -77,7 +77,7 @@ def test_export_hf_of_fsdp2_checkpoint(runs, tmp_path: Path):
 
 def test_export_hf_of_tp2_checkpoint(runs, tmp_path: Path):
     """The same export function in this process (no process group), from a TP 2 checkpoint, untied."""
-    from meshrun.checkpoint.export_hf import export_hf
+    from meshrun.models.export_hf import export_hf
 
     ckpt = sorted((runs["tp2"] / "checkpoints").glob("step-*"))[-1]
     done = export_hf(ckpt, tmp_path / "hf", max_shard_size="30KB")

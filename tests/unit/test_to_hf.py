@@ -3,23 +3,20 @@
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-from meshrun.checkpoint.export_hf import check_out, parse_size, plan_shards, write_hf  # noqa: E402
 from meshrun.checkpoint.model_source import ModelSource  # noqa: E402
-from meshrun.checkpoint.to_hf import hf_run_plan  # noqa: E402
 from meshrun.errors import ConfigError  # noqa: E402
+from meshrun.models.export_hf import check_out, parse_size, plan_shards, write_hf  # noqa: E402
 from meshrun.models.generate import Sampler  # noqa: E402
 from meshrun.models.hf_keys import from_hf_key  # noqa: E402
 from meshrun.models.llama import ModelArgs, Transformer  # noqa: E402
+from meshrun.models.to_hf import hf_run_plan  # noqa: E402
 
 MODEL = {"name": "tiny", "dim": 32, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "ffn_hidden": 64}
 
@@ -46,7 +43,7 @@ def test_builtin_export_matches_the_model(tmp_path: Path, tied: bool):
     theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", local_files_only=True).eval()
     tokens = torch.randint(0, 259, (2, 24), generator=torch.Generator().manual_seed(0))
     assert (_logits(ours, tokens) - _logits(theirs, tokens)).abs().max().item() < 1e-5
-    tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf", local_files_only=True)
     assert tok("héllo")["input_ids"] == list("héllo".encode()) and tok.eos_token_id == 256
 
 
@@ -64,7 +61,7 @@ def test_hf_run_names_go_through_hf_keys(tmp_path: Path):
     assert json.loads((tmp_path / "out" / "config.json").read_text()) == json.loads(
         (tmp_path / "base" / "config.json").read_text())
     with pytest.raises(ConfigError, match="not a name of meshrun's Hugging Face adapter"):
-        hf_run_plan({"layers.0.attention.wq.weight": ((4, 4), torch.float32)}, str(tmp_path / "base"))
+        hf_run_plan({"blocks.0.wq.weight": ((4, 4), torch.float32)}, str(tmp_path / "base"))
     back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", local_files_only=True).eval()
     tokens = torch.randint(0, 50, (1, 12), generator=torch.Generator().manual_seed(1))
     assert torch.equal(_logits(ref, tokens), _logits(back, tokens))

@@ -112,7 +112,7 @@ def main(argv: list[str]) -> int:
 
 
 def _export_hf(args: argparse.Namespace) -> int:
-    from meshrun.checkpoint.export_hf import export_hf
+    from meshrun.models.export_hf import export_hf
 
     done = export_hf(Path(args.ckpt), Path(args.out), max_shard_size=args.max_shard_size, force=args.force)
     print(f"wrote {done['out']}: {done['tensors']} tensors in {done['shards']} shard(s), "

@@ -4,7 +4,7 @@ Every source becomes a `transformers` causal LM in memory, so one sampling loop 
 KV cache (`past_key_values`) serves the built-in decoder and HF models alike:
 - an HF directory (config.json + safetensors) loads with `from_pretrained`;
 - a run or checkpoint is read one tensor at a time (checkpoint/model_source.py) and renamed by
-  the export mapping (checkpoint/to_hf.py: the built-in decoder becomes a LlamaForCausalLM with
+  the export mapping (models/to_hf.py: the built-in decoder becomes a LlamaForCausalLM with
   its q/k rows permuted; a `[model] hf` run keeps its HF names); the model is built on the meta
   device and takes those tensors as they are (`assign=True`), so the weights are held once.
 
@@ -174,8 +174,8 @@ def _load_run(transformers, path: Path) -> Loaded:
 
     from meshrun.checkpoint.export_tokenizer import token_ids, tokenizer_spec
     from meshrun.checkpoint.model_source import open_source
-    from meshrun.checkpoint.to_hf import plan_for
     from meshrun.data.tokenizer import load_tokenizer
+    from meshrun.models.to_hf import plan_for
 
     source = open_source(path)
     plan = plan_for(source.specs, source.config, token_ids(source.config))

@@ -74,7 +74,7 @@ def export_hf(ckpt: Path, out: Path, *, max_shard_size: str = DEFAULT_MAX_SHARD,
 def write_hf(source, out: Path, *, max_bytes: int) -> dict:
     """Write a ModelSource (checkpoint/model_source.py) as a Hugging Face directory at OUT."""
     from meshrun.checkpoint.export_tokenizer import token_ids, write_tokenizer_files
-    from meshrun.checkpoint.to_hf import plan_for
+    from meshrun.models.to_hf import plan_for
 
     save_file = _save_file()
     plan = plan_for(source.specs, source.config, token_ids(source.config))
