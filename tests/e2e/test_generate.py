@@ -87,3 +87,32 @@ def test_bad_input_is_one_line_exit_2(tmp_path: Path, monkeypatch):
     (tmp_path / "hf" / "config.json").write_text("{}")
     with pytest.raises(ConfigError, match=r"pip install 'meshrun\[hf\]'"):
         load(tmp_path / "hf")
+
+
+def test_a_model_hf_run_generates_and_exports_as_its_hf_model(tmp_path: Path):
+    """A `[model] hf = DIR` run (tensors under the adapter's names, as hfin's trainer saves them) samples
+    the tokens transformers' own generate gives, and exports back to DIR's config with equal logits."""
+    from meshrun.models.export_hf import export_hf
+    from meshrun.models.hf_keys import from_hf_key
+
+    cfg = transformers.LlamaConfig(vocab_size=259, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, bos_token_id=257, eos_token_id=256)
+    torch.manual_seed(0)
+    ref = transformers.LlamaForCausalLM(cfg).eval()
+    ref.save_pretrained(tmp_path / "base")
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.toml").write_text(f'[model]\nhf = "{tmp_path / "base"}"\n\n[data]\ntokenizer = "byte"\n')
+    torch.save({from_hf_key(k): v for k, v in ref.state_dict().items()}, run / FINAL_WEIGHTS)
+    write_finished(run, 1)
+    prompt = [72, 105]
+    ours = generate_ids(load(run), prompt, Sampler(max_new_tokens=10, temperature=0))
+    with torch.no_grad():
+        theirs = ref.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False)[0, 2:].tolist()
+    assert ours == (theirs[:theirs.index(256)] if 256 in theirs else theirs)
+    export_hf(run, tmp_path / "out")
+    assert (tmp_path / "out" / "config.json").read_text() == (tmp_path / "base" / "config.json").read_text()
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", local_files_only=True).eval()
+    tokens = torch.randint(0, 259, (1, 16), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        assert torch.equal(back(tokens).logits, ref(tokens).logits)
