@@ -8,6 +8,7 @@ into meshrun's own Transformer.
 from __future__ import annotations
 
 import json
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -28,11 +29,15 @@ LAYOUTS = {
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, Path]:
+    """Both runs at once: their start-up and rendezvous waits overlap (each run is bounded by its timeout)."""
     tmp = tmp_path_factory.mktemp("hf_export")
+    with ThreadPoolExecutor(len(LAYOUTS)) as pool:
+        done = {name: pool.submit(train_tiny, tmp, name, *SMALL, *extra, timeout=180, env=ENV)
+                for name, extra in LAYOUTS.items()}
     out = {}
-    for name, extra in LAYOUTS.items():
-        result, run_dir = train_tiny(tmp, name, *SMALL, *extra, timeout=180, env=ENV)
-        assert result.returncode == 0, result.output[-3000:]
+    for name, future in done.items():
+        result, run_dir = future.result()
+        assert result.returncode == 0, f"{name}: {result.output[-3000:]}"
         out[name] = run_dir
     return out
 
