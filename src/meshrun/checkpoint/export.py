@@ -61,23 +61,7 @@ def export(ckpt: Path, out: Path, *, fmt: str = "safetensors") -> dict[str, tupl
     if fmt not in FORMATS:
         raise ConfigError(f"--format {fmt!r}: choose one of {', '.join(FORMATS)}")
     save_file = _safetensors("save_file") if fmt == "safetensors" else None
-    ckpt = Path(ckpt)
-    if not mf.is_checkpoint(ckpt):
-        raise mf.CheckpointError(f"{ckpt} is not a meshrun checkpoint; give RUN/checkpoints/step-N")
-    bad = mf.problem(ckpt)
-    if bad:
-        raise mf.CheckpointError(f"will not export a damaged checkpoint: {bad}")
-    state: dict[str, torch.Tensor] = {}
-    for key, md in saved_tensors(ckpt).items():
-        if not key.startswith("model."):
-            continue
-        tensor = torch.empty(tuple(md.size), dtype=md.properties.dtype)
-        try:
-            safe_load.load({"model": {key[len("model."):]: tensor}}, ckpt, no_dist=True)
-        except Exception as exc:  # noqa: BLE001 - data that passed its checksums yet does not load
-            raise mf.CheckpointError(f"{ckpt}: the tensor {key} does not load as its metadata describes it "
-                                     f"(shape {list(md.size)}; {type(exc).__name__}: {exc})") from None
-        state[key[len("model."):]] = tensor
+    state = {name: read_model_tensor(ckpt, name, md) for name, md in model_tensors(ckpt).items()}
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + ".tmp")
@@ -88,6 +72,28 @@ def export(ckpt: Path, out: Path, *, fmt: str = "safetensors") -> dict[str, tupl
     follow_umask(tmp)  # safetensors creates 0600; an export is as readable as torch.save's files
     tmp.replace(out)
     return {k: tuple(v.shape) for k, v in state.items()}
+
+
+def model_tensors(ckpt: Path) -> dict:
+    """The checkpoint's model tensors (name without `model.` -> DCP metadata), checked, nothing read yet."""
+    ckpt = Path(ckpt)
+    if not mf.is_checkpoint(ckpt):
+        raise mf.CheckpointError(f"{ckpt} is not a meshrun checkpoint; give RUN/checkpoints/step-N")
+    bad = mf.problem(ckpt)
+    if bad:
+        raise mf.CheckpointError(f"will not export a damaged checkpoint: {bad}")
+    return {key[len("model."):]: md for key, md in saved_tensors(ckpt).items() if key.startswith("model.")}
+
+
+def read_model_tensor(ckpt: Path, name: str, md) -> torch.Tensor:
+    """One model tensor, assembled from every rank's shards into a plain full tensor (no process group)."""
+    tensor = torch.empty(tuple(md.size), dtype=md.properties.dtype)
+    try:
+        safe_load.load({"model": {name: tensor}}, Path(ckpt), no_dist=True)
+    except Exception as exc:  # noqa: BLE001 - data that passed its checksums yet does not load
+        raise mf.CheckpointError(f"{ckpt}: the tensor model.{name} does not load as its metadata describes it "
+                                 f"(shape {list(md.size)}; {type(exc).__name__}: {exc})") from None
+    return tensor
 
 
 def read_consolidated(path: str | Path) -> dict[str, torch.Tensor]:

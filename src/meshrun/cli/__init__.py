@@ -17,6 +17,7 @@ COMMANDS = {
     "doctor": ("meshrun.cli.doctor", "check this machine for distributed training, with fixes"),
     "diagnose": ("meshrun.cli.diagnose", "post-mortem of a failed run: timeline, first failure, cause and fix"),
     "ckpt": ("meshrun.cli.ckpt", "list, inspect and export checkpoints (safetensors or torch)"),
+    "generate": ("meshrun.cli.generate", "sample text from a run, a checkpoint or a Hugging Face directory"),
 }
 
 USAGE = f"""\

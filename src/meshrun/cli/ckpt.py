@@ -3,6 +3,7 @@
     meshrun ckpt list runs/tiny                                   # every checkpoint, step, validity
     meshrun ckpt inspect runs/tiny/checkpoints/step-00000020      # layout, tensors, shapes, bytes
     meshrun ckpt export runs/tiny/checkpoints/step-00000020 --format safetensors model.safetensors
+    meshrun ckpt export runs/tiny/checkpoints/step-00000020 --format hf hf/tiny   # from_pretrained(hf/tiny)
 
 An exported file loads into the plain (unwrapped) model with `load_state_dict`, and
 `--set model.init_from=FILE` starts a new training run from it.
@@ -29,11 +30,15 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("inspect", help="one checkpoint: step, layout it was saved with, tensors, validity")
     p.add_argument("ckpt", help="checkpoint directory, e.g. runs/NAME/checkpoints/step-00000020")
     p.add_argument("--json", action="store_true", help="print everything as one JSON object")
-    p = sub.add_parser("export", help="write the model as one consolidated safetensors or torch file")
-    p.add_argument("ckpt", help="checkpoint directory")
-    p.add_argument("out", help="output file, e.g. model.safetensors")
-    p.add_argument("--format", default="safetensors", choices=("safetensors", "torch"),
-                   help="safetensors (default) or torch (torch.save of a state_dict)")
+    p = sub.add_parser("export", help="write the model as one consolidated file, or a Hugging Face directory")
+    p.add_argument("ckpt", help="checkpoint directory (--format hf: also a run directory)")
+    p.add_argument("out", help="output file, e.g. model.safetensors; --format hf: a new directory")
+    p.add_argument("--format", default="safetensors", choices=("safetensors", "torch", "hf"),
+                   help="safetensors (default), torch (torch.save of a state_dict), or hf (a directory that "
+                   "transformers' from_pretrained loads)")
+    p.add_argument("--max-shard-size", default="2GB", metavar="SIZE",
+                   help="--format hf: the largest safetensors shard, e.g. 2GB (default), 500MB, 1GiB")
+    p.add_argument("--force", action="store_true", help="--format hf: replace an earlier export in OUT")
     return parser
 
 
@@ -96,9 +101,21 @@ def main(argv: list[str]) -> int:
         return _list(Path(args.run))
     if args.action == "inspect":
         return _inspect(Path(args.ckpt), args.json)
+    if args.format == "hf":
+        return _export_hf(args)
     from meshrun.checkpoint.export import export
 
     shapes = export(Path(args.ckpt), Path(args.out), fmt=args.format)
     print(f"wrote {args.out}: {len(shapes)} tensors ({args.format}); load it into the plain model with "
           "load_state_dict, or train from it with --set model.init_from=" + args.out, file=sys.stderr)
+    return 0
+
+
+def _export_hf(args: argparse.Namespace) -> int:
+    from meshrun.models.export_hf import export_hf
+
+    done = export_hf(Path(args.ckpt), Path(args.out), max_shard_size=args.max_shard_size, force=args.force)
+    print(f"wrote {done['out']}: {done['tensors']} tensors in {done['shards']} shard(s), "
+          f"{human_bytes(done['bytes'])}; load it with transformers.AutoModelForCausalLM.from_pretrained"
+          f"({done['out']!r})", file=sys.stderr)
     return 0
