@@ -90,6 +90,32 @@ def test_train_matches_transformers(tmp_path, hf_dirs, family, nproc, sets):
     assert diff < TOL, f"loss differs by {diff:.2e}: {got} vs {ref}"
     assert ref[-1] < ref[0], f"the reference should learn: {ref}"
     assert (run_dir / "model.pt").is_file()
+    if nproc > 1:  # a sharded (FSDP 2) and a TP 2 checkpoint go back to Hugging Face
+        _export_matches_the_trained_model(tmp_path, run_dir)
+
+
+def _export_matches_the_trained_model(tmp_path, run_dir):
+    """`meshrun ckpt export RUN --format hf OUT` (the run's last checkpoint, in this layout's shards):
+    `from_pretrained(OUT)` offline gives the logits of the trained weights (model.pt in the original
+    transformers model) within 1e-5."""
+    from transformers import AutoModelForCausalLM
+
+    from meshrun.config import load_config
+    from meshrun.models.hf_keys import to_hf_key
+
+    out = tmp_path / "hf-out"
+    result = meshrun("ckpt", "export", str(run_dir), "--format", "hf", str(out), timeout=120, cwd=tmp_path, env=ENV)
+    assert result.returncode == 0, result.output
+    assert (out / "config.json").is_file() and (out / "model.safetensors.index.json").is_file()
+    exported = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    trained = AutoModelForCausalLM.from_pretrained(load_config(run_dir / "config.toml").model.hf,
+                                                   dtype=torch.float32).eval()
+    weights = torch.load(run_dir / "model.pt", weights_only=True)
+    trained.load_state_dict({to_hf_key(k): v for k, v in weights.items()})
+    tokens = torch.randint(0, trained.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        diff = (exported(tokens).logits - trained(tokens).logits).abs().max().item()
+    assert diff < 1e-5, f"exported logits differ from the trained model's by {diff:.2e}"
 
 
 def _refused(tmp_path, *sets: str) -> str:

@@ -151,9 +151,7 @@ def load_consolidated(model: nn.Module, path: str | Path) -> None:
 
 
 def _safetensors(name: str):
-    try:
-        import safetensors.torch as st
-    except ImportError:
-        raise ConfigError("the safetensors format needs the safetensors package: pip install safetensors "
-                          "(or use --format torch)") from None
-    return getattr(st, name)
+    from meshrun.extras import import_extra
+
+    return getattr(import_extra("safetensors.torch", "--format safetensors (or use --format torch)",
+                                error=ConfigError), name)

@@ -137,8 +137,6 @@ def _write_json(path: Path, data: dict) -> None:
 
 
 def _save_file():
-    try:
-        from safetensors.torch import save_file
-    except ImportError:
-        raise ConfigError("--format hf needs the safetensors package: pip install 'meshrun[hf]'") from None
-    return save_file
+    from meshrun.extras import import_extra
+
+    return import_extra("safetensors.torch", "--format hf", error=ConfigError).save_file

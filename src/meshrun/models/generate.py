@@ -23,16 +23,11 @@ from meshrun.errors import ConfigError
 if TYPE_CHECKING:
     import torch
 
-HF_EXTRA = "pip install 'meshrun[hf]'"
-
-
 def need_transformers():
     """The transformers module, or one line naming the extra that installs it."""
-    try:
-        import transformers
-    except ImportError:
-        raise ConfigError(f"meshrun generate needs the transformers package: {HF_EXTRA}") from None
-    return transformers
+    from meshrun.extras import import_extra
+
+    return import_extra("transformers", "meshrun generate", error=ConfigError)
 
 
 @dataclass
