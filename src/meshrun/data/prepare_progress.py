@@ -12,11 +12,11 @@ The share and ETA come from the bytes of input read, the one total known before 
 
 from __future__ import annotations
 
-import sys
 import time
 from collections.abc import Callable
 from typing import TextIO
 
+from meshrun.terminal import StatusLine, gauge
 from meshrun.units import format_duration, format_rate
 
 
@@ -25,7 +25,9 @@ def _count(n: float) -> str:
     return f"{n / 1e6:.3g}M" if n >= 1e6 else f"{int(n):,}"
 
 
-class PrepareProgress:
+class PrepareProgress(StatusLine):
+    default_stream = "stderr"
+
     def __init__(self, total_bytes: int = 0, *, workers: int = 1, stream: TextIO | None = None,
                  is_tty: bool | None = None, width: int = 20, min_redraw_s: float = 0.2,
                  clock: Callable[[], float] = time.monotonic) -> None:
@@ -33,27 +35,12 @@ class PrepareProgress:
         self.workers = workers
         self.width = width
         self.min_redraw_s = min_redraw_s
-        self._stream = stream
-        self._is_tty = is_tty
+        super().__init__(stream, is_tty)
         self._clock = clock
         self._start = clock()
         self._last_draw = -float("inf")
-        self._drawn = ""
         self.done_bytes = self.documents = self.tokens = 0
         self.closed = False
-
-    @property
-    def stream(self) -> TextIO:
-        return self._stream if self._stream is not None else sys.stderr
-
-    @property
-    def is_tty(self) -> bool:
-        if self._is_tty is None:
-            try:
-                self._is_tty = self.stream.isatty()
-            except (AttributeError, ValueError):
-                self._is_tty = False
-        return self._is_tty
 
     def start(self, total_bytes: int) -> None:
         """Begin timing, with the input's total size (0 = unknown: no gauge, no ETA)."""
@@ -71,9 +58,7 @@ class PrepareProgress:
                  format_rate(tokens_per_s), f"{docs_per_s:,.0f} docs/s"]
         eta = "?"
         if self.total_bytes > 0:
-            fraction = min(1.0, self.done_bytes / self.total_bytes)
-            filled = int(fraction * self.width)
-            parts.append(f"[{'#' * filled}{'-' * (self.width - filled)}] {fraction:4.0%}")
+            parts.append(gauge(self.done_bytes / self.total_bytes, self.width))
             if self.done_bytes:
                 eta = format_duration(elapsed * (self.total_bytes - self.done_bytes) / self.done_bytes)
         parts.append(f"elapsed {format_duration(elapsed)} | eta {eta}")
@@ -85,11 +70,7 @@ class PrepareProgress:
         now = self._clock()
         if self.is_tty and now - self._last_draw >= self.min_redraw_s:
             self._last_draw = now
-            text = self.format()
-            pad = " " * max(0, len(self._drawn) - len(text))  # wipe what a longer line left behind
-            self.stream.write(f"\r{text}{pad}")
-            self.stream.flush()
-            self._drawn = text
+            self._draw(self.format())
 
     def summary(self) -> str:
         elapsed, docs_per_s, tokens_per_s = self._rates()

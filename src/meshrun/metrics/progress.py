@@ -6,17 +6,17 @@ bar prints one line every `interval` steps instead of carriage-return redraws.
 
 from __future__ import annotations
 
-import sys
 import time
 from collections.abc import Callable
 from typing import TextIO
 
+from meshrun.terminal import StatusLine, gauge
 from meshrun.units import format_duration, format_rate
 
 __all__ = ["ProgressBar", "format_duration", "format_rate"]
 
 
-class ProgressBar:
+class ProgressBar(StatusLine):
     """Shows training progress on rank 0; on any other rank every call does nothing.
 
         bar = ProgressBar(total_steps, rank=rank)
@@ -41,29 +41,14 @@ class ProgressBar:
         self.interval = interval
         self.width = width
         self.min_redraw_s = min_redraw_s
-        self._stream = stream
-        self._is_tty = is_tty
+        super().__init__(stream, is_tty)
         self._clock = clock
         self._t0: float | None = None
         self._step0 = 0
         self._start = clock()
         self._last_draw = -float("inf")
-        self._drawn = ""  # what is on the terminal's current line (TTY mode)
         self._loss: float | None = None
         self._tokens_per_s: float | None = None
-
-    @property
-    def stream(self) -> TextIO:
-        return self._stream if self._stream is not None else sys.stdout
-
-    @property
-    def is_tty(self) -> bool:
-        if self._is_tty is None:
-            try:
-                self._is_tty = self.stream.isatty()
-            except (AttributeError, ValueError):
-                self._is_tty = False
-        return self._is_tty
 
     def eta_s(self, step: int) -> float | None:
         """Seconds left at `step`, from the mean step time since the first update."""
@@ -78,8 +63,7 @@ class ProgressBar:
         fraction = min(1.0, max(0.0, step / self.total_steps))
         parts = [f"step {step}/{self.total_steps}"]
         if bar:
-            filled = int(fraction * self.width)
-            parts[0] += f" [{'#' * filled}{'-' * (self.width - filled)}] {fraction:4.0%}"
+            parts[0] += " " + gauge(fraction, self.width)
         else:
             parts[0] += f" ({fraction:.0%})"
         if loss is not None:
@@ -131,16 +115,6 @@ class ProgressBar:
             self.stream.write("\n")
             self.stream.flush()
             self._drawn = ""
-
-    def _draw(self, text: str) -> None:
-        pad = " " * max(0, len(self._drawn) - len(text))  # wipe what a longer line left behind
-        self.stream.write(f"\r{text}{pad}" + ("\r" if not text else ""))
-        self.stream.flush()
-        self._drawn = text
-
-    def _println(self, text: str) -> None:
-        self.stream.write(text + "\n")
-        self.stream.flush()
 
     def __enter__(self) -> ProgressBar:
         return self
