@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from meshrun.cli.argtypes import positive_int
 from meshrun.errors import MeshrunError
 
 DESCRIPTION = """\
@@ -47,16 +48,6 @@ def _fraction(text: str) -> float:
     return value
 
 
-def _workers(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
 def build_parser(prog: str = "meshrun data") -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=prog, description="Prepare training data.")
     sub = parser.add_subparsers(dest="action", required=True, metavar="{prepare}")
@@ -75,7 +66,7 @@ def build_parser(prog: str = "meshrun data") -> argparse.ArgumentParser:
                       help="the field holding the text in .jsonl/.parquet/datasets records (default: text)")
     prep.add_argument("--split", default=None, metavar="NAME",
                       help="the split of a DatasetDict directory (default: train)")
-    prep.add_argument("--workers", type=_workers, default=None, metavar="N",
+    prep.add_argument("--workers", type=positive_int, default=None, metavar="N",
                       help="processes that tokenize (default: the cores available; the byte tokenizer "
                            "always uses 1); the output is the same for any N")
     prep.add_argument("--val-fraction", type=_fraction, default=None, metavar="F",

@@ -15,6 +15,7 @@ import argparse
 from dataclasses import replace
 from math import prod
 
+from meshrun.cli.argtypes import positive_int
 from meshrun.errors import ConfigError
 from meshrun.plan.memory import GIB, MemoryEstimate, Plan, candidates
 
@@ -30,16 +31,6 @@ examples:
   meshrun plan --model tiny --world 4 --activation-checkpointing
   meshrun plan --show my.toml --world 4 --set parallel.strategy=fsdp --set parallel.tp=2
 """
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
 
 
 def _gib(text: str) -> float:
@@ -64,15 +55,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="total ranks; default for --show: the product of the config's degrees")
     p.add_argument("--device-memory", type=_gib, default=None, metavar="GIB",
                    help="memory per device in GiB; layouts above it are marked and ranked last")
-    p.add_argument("--batch-size", type=_positive_int, default=None,
+    p.add_argument("--batch-size", type=positive_int, default=None,
                    help="samples per micro-batch per data-parallel rank; default: train.batch_size")
-    p.add_argument("--seq-len", type=_positive_int, default=None,
+    p.add_argument("--seq-len", type=positive_int, default=None,
                    help="tokens per sample; default: data.seq_len")
     p.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default=None,
                    help="activation dtype (bf16, fp16 = autocast); default: train.dtype")
     p.add_argument("--activation-checkpointing", action="store_true", default=None,
                    help="recompute blocks in backward (default: train.activation_checkpointing)")
-    p.add_argument("--top", type=_positive_int, default=12,
+    p.add_argument("--top", type=positive_int, default=12,
                    help="rows of the table to print (default 12)")
     p.add_argument("--show", action="store_true",
                    help="print each parameter's placements and local shape per rank for the "
