@@ -29,7 +29,8 @@ GLOBAL_BATCH = 8
 SEQ = 16
 TOL = 1e-4  # measured: at most 1.2e-7 (inductor reorders fp32 sums, nothing more)
 ARGS = dict(vocab_size=64, dim=32, n_layers=4, n_heads=4, n_kv_heads=4, max_seq_len=SEQ)
-LAYOUTS = {"ddp2": dict(dp_replicate=2), "fsdp2": dict(dp_shard=2), "tp2": dict(tp=2)}
+# TP with sequence parallel, as torchtitan runs it: TP alone is refused (rules.check_compile).
+LAYOUTS = {"ddp2": dict(dp_replicate=2), "fsdp2": dict(dp_shard=2), "tp2_sp": dict(tp=2, sequence_parallel=True)}
 CPU = torch.device("cpu")
 
 
@@ -42,7 +43,8 @@ def _train(layout: dict, compiled: bool) -> tuple[list[float], list[str], int]:
     def materialize(module):  # build_layout's hook: compile once tp/AC/fsdp are applied, before ddp
         names.extend(apply_compile(module, True if compiled else False))
 
-    model = parallelize_nd(Transformer(ModelArgs(**ARGS), seed=7), dims, mesh, device=CPU, materialize=materialize)
+    model = parallelize_nd(Transformer(ModelArgs(**ARGS), seed=7), dims, mesh, device=CPU, materialize=materialize,
+                           sequence_parallel=layout.get("sequence_parallel", False))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     gen = torch.Generator().manual_seed(1000)
     tokens = torch.randint(0, ARGS["vocab_size"], (GLOBAL_BATCH, SEQ + 1), generator=gen)

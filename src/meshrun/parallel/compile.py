@@ -73,6 +73,21 @@ def check_compiler(setting: bool | None) -> bool:
     return False
 
 
+def layout_allows(setting: bool | None, tp: int, sequence_parallel: bool) -> bool:
+    """Whether the layout lets compiling go ahead: rules.check_compile's error for true, a warning for "auto"."""
+    from meshrun.errors import ConfigError
+    from meshrun.parallel.rules import check_compile
+
+    try:
+        check_compile(mode(setting) != "off", tp, sequence_parallel)
+    except ConfigError as exc:
+        if mode(setting) == "on":
+            raise
+        logger.warning("train.compile=\"auto\": %s; training eagerly", exc)
+        return False
+    return mode(setting) != "off"
+
+
 def use_run_cache(run_dir: Path, environ: dict[str, str] | None = None) -> Path:
     """Point inductor's caches at `<run_dir>/compile-cache`, keeping a directory the user chose.
 

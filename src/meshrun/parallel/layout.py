@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from meshrun.parallel.compile import apply_compile
+from meshrun.parallel.compile import apply_compile, layout_allows
 from meshrun.parallel.dims import ParallelDims
 from meshrun.parallel.parallelize import (
     _has_dtensors,
@@ -189,6 +189,8 @@ def build_layout(model: nn.Module, layout: Layout, *, device: torch.device,
     """
     options, world_size = layout.options, layout.world_size
     compiled: list[str] = []
+    tp = layout.dims.tp if layout.use_mesh else 1
+    compile = compile if layout_allows(compile, tp, options.sequence_parallel) else False
 
     def init(module: nn.Module) -> None:
         compiled.extend(apply_compile(module, compile))

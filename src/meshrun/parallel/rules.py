@@ -49,7 +49,6 @@ def _show(value: Any) -> str:  # as a TOML file or `--set` spells it
     return ("true" if value else "false") if isinstance(value, bool) else repr(value)
 
 
-
 def require(key: str, ok: bool, expected: str, value: Any) -> None:
     """Raise `KEY must be EXPECTED, got VALUE` unless ok (the config sections' own wording)."""
     if not ok:
@@ -73,7 +72,6 @@ def check_degree(name: str, value: Any) -> None:
 def check_world_size(world_size: Any) -> None:
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ConfigError(f"world size must be an integer >= 1, got {world_size!r}")
-
 
 
 def check_rest(degrees: dict[str, int]) -> str | None:
@@ -132,7 +130,6 @@ def resolve_degrees(degrees: dict[str, int], world_size: int, *, strategy: str =
     return out
 
 
-
 def check_tp_features(tp: int, pp: int, sequence_parallel: bool, loss_parallel: bool) -> None:
     """Sequence and loss parallel split over the tp ranks, and make a stage's output a DTensor,
     which the pipeline's point-to-point sends do not carry. A degree of -1 is not known yet."""
@@ -148,7 +145,6 @@ def check_tp_features(tp: int, pp: int, sequence_parallel: bool, loss_parallel: 
     if pp > 1:
         raise ConfigError(f"{keys} {'does' if one else 'do'} not compose with parallel.pp={pp} (pipeline "
                           f"stages send plain tensors); turn {'it' if one else 'them'} off or set parallel.pp=1")
-
 
 
 def model_shape_of(args: Any) -> dict[str, Any]:
@@ -297,3 +293,8 @@ def split_layers(n_layers: int, num_stages: int, split_points: str = "") -> list
                               f"indices in 1..{n_layers - 1}, so every stage keeps a block")
     bounds = [0, *cuts, n_layers]
     return [[str(i) for i in range(bounds[s], bounds[s + 1])] for s in range(num_stages)]
+
+
+def check_compile(compile_on: bool, tp: int, sequence_parallel: bool) -> None:
+    """torch 2.13: a compiled TP block fed plain tensors loses the DTensor gradient in backward."""
+    require("train.compile", not (compile_on and tp > 1 and not sequence_parallel), "false with parallel.tp > 1 unless parallel.sequence_parallel=true", compile_on)
