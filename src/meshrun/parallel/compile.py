@@ -6,9 +6,11 @@ Each block of `model.layers` is compiled on its own with `fullgraph=True`, as to
 (torchtitan/distributed/compile.py `apply_compile`): the blocks share one code object and one
 shape, so dynamo traces one graph and every block reuses it (measured: `unique_graphs` 1 for 4
 blocks), and DDP's gradient hooks, FSDP2's all-gathers (dynamo skips FSDP hooks) and TP's
-DTensors stay outside or inside it as they are in eager. `nn.Module.compile` only records the
-compiled callable on the block, so the order against fsdp/ddp does not change the result; it
-must come after activation checkpointing, which replaces each block with its wrapper.
+DTensors stay outside or inside it as they are in eager. As `nn.Module.compile` does, the
+compiled callable is only recorded on the block (`_compiled_call_impl`, which nn.Module's call
+uses), so the block, its parameter names and its place against fsdp/ddp stay as they were; it
+must come after activation checkpointing, which replaces each block with its wrapper. TP without
+sequence parallel is refused (`rules.check_compile`); pipeline stages compile their own blocks.
 
 torch compiles lazily, on a block's first call: that is where a failure shows. With
 `compile = true` it is a `CompileError` naming the block and torch's reason; with "auto" the
@@ -25,7 +27,6 @@ import logging
 import os
 import shutil
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -175,7 +176,6 @@ class CompileClock:
     def __init__(self, setting: bool | None, *, compiled: bool, cache_dir: str | None = None) -> None:
         self.active = compiled and mode(setting) != "off"
         self.cache_dir = cache_dir or os.environ.get("TORCHINDUCTOR_CACHE_DIR", "")
-        self.started = time.perf_counter()
 
     def notice(self) -> str:
         if not self.active:
