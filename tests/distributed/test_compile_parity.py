@@ -22,7 +22,7 @@ from meshrun.parallel.parallelize import parallelize_nd
 from meshrun.testing import run_distributed
 from meshrun.train.step import mean_loss_across_ranks, train_step
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 
 STEPS = 3
 GLOBAL_BATCH = 8

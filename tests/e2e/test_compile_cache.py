@@ -13,7 +13,7 @@ from conftest import metrics_records, train_tiny
 
 from meshrun.parallel.compile import CACHE_DIR
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
 
 ARGS = ("--nproc-per-node", "1", "--set", "train.compile=true", "--set", "model.dim=32", "--set", "model.n_layers=4",
         "--set", "model.n_heads=4", "--set", "model.n_kv_heads=4", "--set", "data.seq_len=16",
