@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from meshrun.parallel.compile import apply_compile, layout_allows
 from meshrun.parallel.dims import ParallelDims
 from meshrun.parallel.parallelize import (
     _has_dtensors,
@@ -59,6 +60,7 @@ class BuiltLayout:
     dims: ParallelDims | None = None
     mesh: object | None = None
     loss_parallel: bool = False
+    compiled: list[str] | None = None  # the blocks train.compile compiled (meshrun.parallel.compile)
 
     @property
     def pp(self) -> int:
@@ -181,23 +183,28 @@ def materialize(module: nn.Module, device: torch.device, seed: int | None) -> No
 
 
 def build_layout(model: nn.Module, layout: Layout, *, device: torch.device,
-                 seed: int | None = None) -> BuiltLayout:
+                 seed: int | None = None, compile: bool | None = False) -> BuiltLayout:
     """Split, shard and wrap `model` as the resolved `layout` says, materialising meta parts with `seed`.
 
     `layout` comes from `meshrun.parallel.resolve.resolve_layout`, the one place the rules live.
     Order (parallelize.py): pp split -> tp -> activation checkpointing -> fsdp -> materialise
-    -> ddp. Build the optimizers on the returned layout's `parts` afterwards.
+    -> ddp. Build the optimizers on the returned layout's `parts` afterwards. `compile`
+    (train.compile) compiles each part's blocks once tp/AC/fsdp are on, before ddp.
     """
     options, world_size = layout.options, layout.world_size
+    compiled: list[str] = []
+    tp = layout.dims.tp if layout.use_mesh else 1
+    compile = compile if layout_allows(compile, tp, options.sequence_parallel) else False
 
     def init(module: nn.Module) -> None:
+        compiled.extend(apply_compile(module, compile))
         materialize(module, device, seed)
 
     if not layout.use_mesh:
         wrapped = parallelize(model, options, device=device, world_size=world_size,
                               activation_checkpointing=options.activation_checkpointing, materialize=init)
         return BuiltLayout([wrapped], dp_rank=dist.get_rank() if world_size > 1 else 0, dp_size=world_size,
-                           device=device, world_size=world_size)
+                           device=device, world_size=world_size, compiled=compiled)
     dims = layout.dims
     mesh = dims.build_mesh(device.type)
     kwargs = dict(
@@ -211,7 +218,8 @@ def build_layout(model: nn.Module, layout: Layout, *, device: torch.device,
         materialize=init,
     )
     built = BuiltLayout([], dp_rank=dims.dp_rank(mesh), dp_size=dims.dp_size, device=device,
-                        world_size=world_size, dims=dims, mesh=mesh, loss_parallel=options.loss_parallel)
+                        world_size=world_size, dims=dims, mesh=mesh, loss_parallel=options.loss_parallel,
+                        compiled=compiled)
     if layout.pipeline is None:
         built.parts = [parallelize_nd(model, dims, mesh, device=device, **kwargs)]
     else:

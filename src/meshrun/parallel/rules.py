@@ -240,3 +240,9 @@ def model_fits(*, tp: int, pp: int, n_heads: int, n_kv_heads: int, n_layers: int
     """`check_model_shape` as a test (`meshrun plan` lists the layouts that pass)."""
     return (_heads_problem(tp, tp, n_heads, n_kv_heads) is None and pp <= n_layers
             and not (pp > 1 and tie_embeddings))
+
+
+def check_compile(compile_on: bool, tp: int, sequence_parallel: bool) -> None:
+    """torch 2.13: a compiled TP block fed plain tensors loses the DTensor gradient in backward."""
+    require("train.compile", not (compile_on and tp > 1 and not sequence_parallel),
+            "false with parallel.tp > 1 unless parallel.sequence_parallel=true", compile_on)

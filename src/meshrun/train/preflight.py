@@ -7,6 +7,7 @@ from collections.abc import Iterator
 
 from meshrun.config import JobConfig
 from meshrun.errors import MeshrunError
+from meshrun.parallel.compile import check_compiler, layout_allows
 from meshrun.parallel.resolve import ModelShape, ParallelOptions, check_options, resolve_layout
 
 
@@ -28,6 +29,9 @@ def preflight(cfg: JobConfig, *, nproc_per_node: str, nnodes: str = "1") -> None
     if cfg.model.factory:
         check_factory_builds(cfg, tokenizer.vocab_size)
     _check_layout(cfg, tokenizer.vocab_size, nproc_per_node, nnodes)
+    if cfg.train.compile:  # true without a C++ compiler or in a layout it breaks: one line here ("auto" warns on the workers)
+        check_compiler(True)
+        layout_allows(True, cfg.parallel.tp, cfg.parallel.sequence_parallel)
 
 
 @contextlib.contextmanager

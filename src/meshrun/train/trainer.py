@@ -32,6 +32,7 @@ from meshrun.metrics.system import (
     peak_memory_kind,
 )
 from meshrun.models.factory import build_meta_model
+from meshrun.parallel.compile import CompileClock
 from meshrun.parallel.layout import BuiltLayout, build_layout, is_meta
 from meshrun.parallel.resolve import ModelShape, ParallelOptions, resolve_layout, torch_dtype
 from meshrun.runtime.alloc import MemoryMarks
@@ -99,6 +100,9 @@ def _loop(run: _Run, cfg: JobConfig, env: DistEnv, run_dir: Path, profiler: Step
     progress.write(f"training {run.num_params / 1e6:.2f}M parameters on {env.world_size} x {env.device} "
                    f"({env.backend}), {tcfg.steps} steps of {tokens_per_step} tokens")
     timer = StepTimer(warmup_steps=2, sync=_sync_fn(env.device))
+    clock = CompileClock(tcfg.compile, compiled=bool(layout.compiled))  # inductor compiles in the first calls
+    if clock.active:
+        progress.write(clock.notice())
 
     # ④ the loop
     layout.train()
@@ -118,6 +122,8 @@ def _loop(run: _Run, cfg: JobConfig, env: DistEnv, run_dir: Path, profiler: Step
         timing = timer.stop(tokens_per_step)
         if run.memory.first_step is None:
             run.memory.mark_first_step()
+            if clock.active:
+                metrics.log_meta(**clock.record(timing.step_time_s))
         metrics.log_rank_step(step, step_time_s=timing.step_time_s, compute_time_s=compute_s,
                               peak_mem_bytes=peak_memory_bytes(env.device) if step % cfg.metrics.interval == 0 else None)
         _log_step(run, cfg, env, step, loss, grad_norm, lr, timing, metrics, progress)
@@ -157,7 +163,7 @@ def _setup(cfg: JobConfig, env: DistEnv, run_dir: Path) -> _Run:
     if meta and cfg.model.init_from:
         check_init_from(model, cfg.model.init_from)
     resolved = resolve_layout(ParallelOptions.from_config(cfg), env.world_size, ModelShape.from_model(model))
-    layout = build_layout(model, resolved, device=env.device, seed=tcfg.seed)
+    layout = build_layout(model, resolved, device=env.device, seed=tcfg.seed, compile=tcfg.compile)
     del model  # the layout holds this rank's parts now
     if meta and cfg.model.init_from:
         from meshrun.checkpoint.export import read_consolidated

@@ -46,6 +46,10 @@ def main(argv: list[str] | None = None) -> int:
         # Freed all-gather buffers go back to the OS, so FSDP's savings show in RSS. Not for DDP:
         # mmap'ed buffers are zeroed on first touch, which slows CPU steps (docs/parallel.md).
         configure_allocator()
+    if cfg.train.compile is not False:
+        from meshrun.parallel.compile import use_run_cache
+
+        use_run_cache(run_dir)  # before inductor reads it: a restarted run reuses the kernels
     env = meshrun.init()
     from meshrun.checkpoint import Preempted
     from meshrun.train.trainer import train  # after init: heavy imports off the error path

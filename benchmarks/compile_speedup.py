@@ -1,0 +1,161 @@
+"""train.compile's speed-up: tokens/s of eager vs per-block compiled training, tiny and small, 1 and 2 processes.
+
+    python benchmarks/compile_speedup.py                        # tiny+small x {1 proc, DDP 2, FSDP 2}
+    python benchmarks/compile_speedup.py --sizes tiny --layouts ddp2 --variants eager,compile,compile+loss
+
+A report, not a gate. Each (size, layout) is one `run_distributed` launch whose ranks build one
+model per variant from the same seed and then train them in turn, one step each round (so
+machine noise hits every variant alike), on the same fixed batches, for --steps steps:
+- eager: meshrun without train.compile (AdamW with torch's default foreach step);
+- compile: every block compiled as `train.compile = true` does (meshrun.parallel.compile);
+- compile+loss: the same, plus the cross entropy (with its fp32 cast) compiled on its own;
+- compile+fused: compile, with AdamW(fused=True) instead of the foreach step;
+- eager+fused, eager+loss: the optimizer or the loss alone, for each part's share;
+- eager+bf16, compile+bf16: under bf16 autocast (fast only where the CPU has AVX-512 BF16 or AMX).
+Prints, per variant: median tokens/s over the steps after --warmup (all ranks' tokens), the
+ratio to eager, the compile time (the first step's seconds, compiling included), and the largest
+loss difference from eager over the run. The inductor cache is a fresh temporary directory
+shared by every launch of this run (DDP and FSDP then reuse one graph), unless
+TORCHINDUCTOR_CACHE_DIR is set. Each launch is bounded by --timeout and its ranks are killed
+by pid by run_distributed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from meshrun.models.args import ModelArgs
+from meshrun.models.llama import Transformer
+from meshrun.models.sizes import SIZES
+from meshrun.parallel.compile import apply_compile
+from meshrun.parallel.dims import ParallelDims
+from meshrun.parallel.parallelize import clip_grad_norm_, parallelize_nd
+from meshrun.testing import run_distributed
+
+LAYOUTS = {"1proc": dict(), "ddp2": dict(dp_replicate=2), "fsdp2": dict(dp_shard=2)}
+VARIANTS = ("eager", "compile", "compile+loss", "compile+fused", "eager+fused", "eager+loss")
+OPTIONAL = ("eager+bf16", "compile+bf16")
+
+
+def _loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())  # meshrun.train.step.lm_loss
+
+
+def _build(variant: str, size: str, layout: dict, seq: int):
+    args = ModelArgs(**{**SIZES[size], "max_seq_len": max(seq, SIZES[size]["max_seq_len"])})
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    model = Transformer(args, seed=0)
+    mesh, dims = None, None
+    compiled = "compile" in variant
+    if world > 1:
+        dims = ParallelDims(dp_replicate=layout.get("dp_replicate", 1), dp_shard=layout.get("dp_shard", 1),
+                            tp=1, pp=1, world_size=world)
+        mesh = dims.build_mesh("cpu")
+        model = parallelize_nd(model, dims, mesh, device=torch.device("cpu"),
+                               materialize=lambda m: apply_compile(m, True) if compiled else None)
+    elif compiled:
+        apply_compile(model, True)
+    fused = "fused" in variant
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1, fused=fused or None)
+    loss_fn = torch.compile(_loss, fullgraph=True) if "loss" in variant else _loss
+    dp_rank = dims.dp_rank(mesh) if dims else 0
+    return model, opt, loss_fn, dp_rank, (dims.dp_size if dims else 1)
+
+
+def _step(model, opt, loss_fn, x, y, bf16: bool) -> tuple[float, float]:
+    started = time.perf_counter()
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        loss = loss_fn(model(x), y)
+    loss.backward()
+    clip_grad_norm_([p for p in model.parameters() if p.grad is not None], 1.0)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    value = loss.detach()
+    if dist.is_initialized():
+        dist.all_reduce(value)
+        value /= dist.get_world_size()
+    return time.perf_counter() - started, float(value)
+
+
+def run(size: str, layout: dict, variants: list[str], batch: int, seq: int, steps: int) -> dict:
+    built = {v: _build(v, size, layout, seq) for v in variants}
+    gen = torch.Generator().manual_seed(0)
+    vocab = SIZES[size]["vocab_size"]
+    tokens = torch.randint(0, vocab, (steps, batch, seq + 1), generator=gen)
+    out = {v: {"times": [], "losses": []} for v in variants}
+    for step in range(steps):
+        for v in variants:
+            model, opt, loss_fn, dp_rank, dp_size = built[v]
+            per = batch // dp_size
+            rows = tokens[step, dp_rank * per:(dp_rank + 1) * per]
+            if dist.is_initialized():
+                dist.barrier()
+            seconds, loss = _step(model, opt, loss_fn, rows[:, :-1], rows[:, 1:], "bf16" in v)
+            out[v]["times"].append(seconds)
+            out[v]["losses"].append(loss)
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--sizes", default="tiny,small")
+    p.add_argument("--layouts", default=",".join(LAYOUTS), help=f"comma-separated, of {', '.join(LAYOUTS)}")
+    p.add_argument("--variants", default="eager,compile,compile+loss,compile+fused",
+                   help=f"comma-separated, 'eager' first, of {', '.join(VARIANTS + OPTIONAL)}")
+    p.add_argument("--batch-size", type=int, default=16, help="global batch (sequences)")
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=3, help="steps left out of the medians (the first compiles)")
+    p.add_argument("--timeout", type=float, default=900, help="seconds per launch")
+    args = p.parse_args()
+    variants = args.variants.split(",")
+    assert variants[0] == "eager", "the first variant is the baseline: eager"
+    cache = None
+    if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+        cache = tempfile.TemporaryDirectory(prefix="compile-bench-")
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache.name
+    print(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores; {args.steps} steps, "
+          f"global batch {args.batch_size} x {args.seq_len}, cache {os.environ['TORCHINDUCTOR_CACHE_DIR']}")
+    for size in args.sizes.split(","):
+        for name in args.layouts.split(","):
+            layout = LAYOUTS[name]
+            world = max(1, layout.get("dp_replicate", 1) * layout.get("dp_shard", 1))
+            fn_args = (size, layout, variants, args.batch_size, args.seq_len, args.steps)
+            if world == 1:
+                torch.set_num_threads(1)  # as each launched worker runs (OMP_NUM_THREADS=1)
+                results = [run(*fn_args)]
+            else:
+                results = run_distributed(run, world_size=world, args=fn_args, timeout=args.timeout,
+                                          env={"OMP_NUM_THREADS": "1"})
+            _report(size, name, variants, results, args)
+    if cache is not None:
+        cache.cleanup()
+
+
+def _report(size: str, layout: str, variants: list[str], results: list[dict], args) -> None:
+    tokens = args.batch_size * args.seq_len
+
+    def tokens_per_s(v: str) -> float:  # the slowest rank's step sets the pace
+        per_step = [max(r[v]["times"][i] for r in results) for i in range(args.warmup, args.steps)]
+        return tokens / statistics.median(per_step)
+
+    base = tokens_per_s("eager")
+    eager_losses = results[0]["eager"]["losses"]
+    for v in variants:
+        rate = tokens_per_s(v)
+        first = max(r[v]["times"][0] for r in results)
+        diff = max(abs(a - b) for a, b in zip(results[0][v]["losses"], eager_losses, strict=True))
+        print(f"{size:5s} {layout:6s} {v:14s} {rate:9.0f} tok/s  {rate / base:5.2f}x eager  "
+              f"first step {first:6.1f} s  max |loss - eager| {diff:.1e}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
