@@ -234,8 +234,11 @@ def main(argv: list[str]) -> int:
         from meshrun.checkpoint.preemption import preempted_exit_code
         from meshrun.launch.torch_elastic import SignalException
 
+        from meshrun.checkpoint.snapshot_area import snapshot_area
+
         started = time.time()
         try:
-            return run_plan(plan)
+            with snapshot_area(enabled=cfg.checkpoint.snapshot_interval > 0):  # /dev/shm, removed at exit
+                return run_plan(plan)
         except SignalException as exc:  # SIGTERM/SIGINT to the agent; it has stopped the workers
             return preempted_exit_code(run_dir, exc.sigval, since=started)

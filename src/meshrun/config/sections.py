@@ -165,10 +165,12 @@ class CheckpointSection(Section):
     async_save: bool = doc_field(False, "Write checkpoints in the background while training goes on.")
     resume: str = doc_field("auto", "'auto' = from the run's latest valid checkpoint if any, 'never', or a checkpoint path.")
     sample_log: bool = doc_field(False, "Append each step's data indices per rank to <run dir>/samples/ (audits exactly-once resume).")
+    snapshot_interval: int = doc_field(1, "Steps between in-memory snapshots in /dev/shm, which a restart on the same host resumes from when newer than the disk checkpoint; 0 = off.")
 
     def validate(self) -> None:
         self.at_least("interval", 0, " (0 = off)")
         self.at_least("keep", 1)
+        self.at_least("snapshot_interval", 0, " (0 = off)")
         self.require("resume", bool(self.resume), "'auto', 'never' or a checkpoint path")
 
 

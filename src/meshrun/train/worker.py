@@ -44,6 +44,9 @@ def main(argv: list[str] | None = None) -> int:
         # mmap'ed buffers are zeroed on first touch, which slows CPU steps (docs/parallel.md).
         configure_allocator()
     env = meshrun.init()
+    from meshrun.runtime import events
+
+    events.record(run_dir, "pg_ready", proc_start=events.process_start_time())
     from meshrun.checkpoint import Preempted
     from meshrun.train.trainer import train  # after init: heavy imports off the error path
 
