@@ -9,7 +9,12 @@ import torch
 
 from meshrun.checkpoint.snapshot import Snapshots
 from meshrun.checkpoint.snapshot_area import ENV, remove_stale, snapshot_area
-from meshrun.checkpoint.snapshot_files import read_snapshot, snapshot_name, snapshot_step, write_snapshot
+from meshrun.checkpoint.snapshot_files import (
+    read_snapshot,
+    snapshot_name,
+    snapshot_step,
+    write_snapshot,
+)
 from meshrun.runtime.process import DistEnv
 
 TREE = {"tensors": {"model": {"w": torch.randn(3, 4), "b": torch.arange(5, dtype=torch.bfloat16)},
@@ -42,7 +47,7 @@ def test_torn_truncated_or_flipped_files_are_ignored(tmp_path):
     write_snapshot(good, step=3, tree=TREE, meta={})
     data = good.read_bytes()
     for name, damaged in [("truncated", data[:-10]), ("header only", data[:40]), ("empty", b""),
-                          ("flipped", data[:-5] + bytes([data[-5] ^ 1]) + data[-4:]), ("other magic", b"X" + data[1:])]:
+                          ("flipped header", data[:30] + bytes([data[30] ^ 1]) + data[31:]), ("other magic", b"X" + data[1:])]:
         path = tmp_path / f"{name}.snap"
         path.write_bytes(damaged)
         assert read_snapshot(path) is None, name

@@ -22,15 +22,24 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import os
 import shutil
+import time
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 
 from meshrun.checkpoint import manifest as mf
-from meshrun.checkpoint.snapshot_area import ENV
-from meshrun.checkpoint.snapshot_files import read_header, read_snapshot, snapshot_name, snapshot_step, write_snapshot
+from meshrun.checkpoint.snapshot_area import ENV, fixed_interval
+from meshrun.checkpoint.snapshot_files import (
+    read_header,
+    read_snapshot,
+    snapshot_name,
+    snapshot_step,
+    write_snapshot,
+)
 from meshrun.checkpoint.state import (
     TrainState,
     apply_tensor_state,
@@ -45,6 +54,9 @@ from meshrun.runtime import events
 logger = logging.getLogger(__name__)
 
 KEEP = 2  # per rank: the newest, and the one before while the next is written
+AUTO_BUDGET = 0.02  # 'auto': snapshots may cost this fraction of the step time
+AUTO_STEPS = 3  # 'auto': steps timed after the first snapshot before the interval is chosen
+MAX_AUTO = 1000
 ROOM_MARGIN = 64 << 20  # bytes left free in /dev/shm beyond what the snapshots take
 
 
@@ -53,9 +65,11 @@ class Snapshots:
 
     def __init__(self, cfg, *, run_dir: Path, env, layout: dict, config_toml: str = ""):
         self.env, self.run_dir, self.layout = env, Path(run_dir), layout
-        self.interval = int(getattr(cfg, "snapshot_interval", 0) or 0)
+        self.interval = fixed_interval(getattr(cfg, "snapshot_interval", 0))  # None: 'auto'
         root = os.environ.get(ENV)
-        self.dir = Path(root) / f"rank{env.rank}" if root and self.interval > 0 else None
+        self.dir = Path(root) / f"rank{env.rank}" if root and self.interval != 0 else None
+        self._cost: float | None = None  # 'auto': seconds the first snapshot took
+        self._clock = (0, 0.0)  # 'auto': (step, perf_counter) after it
         self.meta = {"world_size": env.world_size, "rank": env.rank, "layout": layout,
                      "config_sha256": hashlib.sha256(config_toml.encode()).hexdigest()}
         self.written = 0  # snapshots this process wrote
@@ -130,11 +144,39 @@ class Snapshots:
     # -- save ----------------------------------------------------------------------------------
 
     def step_done(self, state: TrainState) -> None:
-        """After each optimizer step: a snapshot every `interval` steps (synchronous; a tmpfs memcpy)."""
+        """After each optimizer step: a snapshot every `interval` steps (synchronous: a memcpy to tmpfs)."""
+        now = time.perf_counter()
         if self._first_step:
             self._first_step = False
             events.record(self.run_dir, "first_step", step=state.step)
-        if self.dir is None or state.step % self.interval:
+        if self.interval is None:  # 'auto', on every rank alike (a collective), with or without a directory
+            self._auto(state, now)
+        elif self.interval and state.step % self.interval == 0:
+            self._write(state)
+
+    def _auto(self, state: TrainState, now: float) -> None:
+        """Snapshot once, time it, then after AUTO_STEPS steps agree on the interval (one all_reduce MAX)."""
+        if self._cost is None:
+            started = time.perf_counter()
+            self._write(state)
+            self._cost, self._clock = time.perf_counter() - started, (state.step, time.perf_counter())
+            return
+        first_step, since = self._clock
+        if state.step - first_step < AUTO_STEPS:
+            return
+        step_s = (now - since) / (state.step - first_step)
+        local = max(1, min(MAX_AUTO, math.ceil(self._cost / (AUTO_BUDGET * step_s))))
+        self.interval = _agree_max(local, self.env.device)
+        events.record(self.run_dir, "snapshot_interval", interval=self.interval, cost_s=round(self._cost, 5),
+                      step_s=round(step_s, 5))
+        if self.env.is_main:
+            logger.info("meshrun: in-memory snapshots every %d steps (one takes %.1f ms, a step %.1f ms)",
+                        self.interval, self._cost * 1e3, step_s * 1e3)
+        if state.step % self.interval == 0:
+            self._write(state)
+
+    def _write(self, state: TrainState) -> None:
+        if self.dir is None:
             return
         tree = {"tensors": tensor_state(state), "rng": rng_state(),
                 "train": train_state(state, layout=self.layout, config_toml="")}
@@ -168,3 +210,12 @@ class Snapshots:
                            self.dir.parent, free / 2**20, need / 2**20)
         self.dir = None
         return False
+
+
+def _agree_max(value: int, device) -> int:
+    """The largest of every rank's value: all ranks then snapshot the same steps."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return value
+    box = torch.tensor([value], dtype=torch.int64, device=device)
+    dist.all_reduce(box, op=dist.ReduceOp.MAX)
+    return int(box.item())

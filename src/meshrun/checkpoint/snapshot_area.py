@@ -1,6 +1,6 @@
 """The launcher's side of in-memory snapshots: one /dev/shm directory per `meshrun train`, removed at its end.
 
-    with snapshot_area(enabled=cfg.checkpoint.snapshot_interval > 0):
+    with snapshot_area(enabled=fixed_interval(cfg.checkpoint.snapshot_interval) != 0):
         run_plan(plan)          # the workers find the directory in MESHRUN_SNAPSHOT_DIR
 
 The directory outlives every worker (a restart finds its predecessors' snapshots) and no longer
@@ -23,6 +23,11 @@ from pathlib import Path
 ENV = "MESHRUN_SNAPSHOT_DIR"
 ROOT_ENV = "MESHRUN_SNAPSHOT_ROOT"  # where the per-launcher directories go; default /dev/shm
 PREFIX = "meshrun-"
+
+
+def fixed_interval(value: str | int) -> int | None:
+    """checkpoint.snapshot_interval as a number: None for 'auto' (chosen by its measured cost), 0 = off."""
+    return None if str(value) == "auto" else int(value)
 
 
 def shm_root() -> Path:

@@ -3,13 +3,15 @@
     write_snapshot(path, step=12, tree={"model": {...}, "rng": {...}}, meta={...})
     step, tree, meta = read_snapshot(path)   # None for a torn, truncated or foreign file
 
-Layout: the 8 bytes MAGIC, a little-endian u64 header length, the UTF-8 JSON header, then every
-tensor's bytes back to back. The header holds the tree of plain values (dicts, lists, tuples,
-numbers, strings) with each tensor replaced by `{"__t__": i}`, each tensor's dtype, shape, offset
-and size, the data's total size and its CRC-32. A reader checks the file size against the header
-and the CRC before it builds a single tensor, so a damaged file is "no snapshot", not a crash
-(STYLE point 15). A write goes to a temporary name and is renamed into place: a kill in the
-middle of it leaves the previous snapshot whole.
+Layout: the 8 bytes MAGIC, the header's length (u64) and CRC-32 (u32), little-endian, the UTF-8
+JSON header, then every tensor's bytes back to back. The header holds the tree of plain values
+(dicts, lists, tuples, numbers, strings) with each tensor replaced by `{"__t__": i}`, and each
+tensor's dtype, shape, offset and size. A reader checks the header's CRC and the file's size
+against it, and every tensor's extent, before it builds a single tensor, so a damaged file is
+"no snapshot", not a crash (STYLE point 15). The tensor bytes carry no checksum: a CRC of them
+cost as much as the copy itself, and the files live in the launcher's private (0700) tmpfs
+directory, written only by this run's workers. A write goes to a temporary name and is renamed
+into place: a kill in the middle of it leaves the previous snapshot whole.
 """
 
 from __future__ import annotations
@@ -21,10 +23,12 @@ import zlib
 from pathlib import Path
 
 import torch
+from torch.distributed.tensor import DTensor
 
 MAGIC = b"MRSNAP01"
 VERSION = 1
 SUFFIX = ".snap"
+_PREFIX = len(MAGIC) + 12  # MAGIC, u64 header length, u32 header CRC-32
 MAX_HEADER = 64 << 20  # a header larger than this is damage, not a snapshot
 _DTYPES = {str(d).removeprefix("torch."): d for d in (
     torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
@@ -47,7 +51,7 @@ def snapshot_step(path: Path) -> int | None:
 def _encode(obj, tensors: list[torch.Tensor]):
     """The JSON form of a state tree; tensors go to `tensors` (a DTensor: this rank's local shard)."""
     if isinstance(obj, torch.Tensor):
-        local = obj.to_local() if hasattr(obj, "to_local") else obj
+        local = obj.to_local() if isinstance(obj, DTensor) else obj
         tensors.append(local.detach())
         return {"__t__": len(tensors) - 1}
     if isinstance(obj, dict):
@@ -89,20 +93,19 @@ def write_snapshot(path: Path, *, step: int, tree: dict, meta: dict) -> int:
     tensors: list[torch.Tensor] = []
     encoded = _encode(tree, tensors)
     views = [_bytes_of(t.cpu()) for t in tensors]
-    specs, offset, crc = [], 0, 0
+    specs, offset = [], 0
     for tensor, view in zip(tensors, views, strict=True):
         specs.append([str(tensor.dtype).removeprefix("torch."), list(tensor.shape), offset, view.nbytes])
         offset += view.nbytes
-        crc = zlib.crc32(view, crc)
     header = json.dumps({"version": VERSION, "step": step, "meta": meta, "tree": encoded, "tensors": specs,
-                         "data_bytes": offset, "crc32": crc}, separators=(",", ":")).encode()
+                         "data_bytes": offset}, separators=(",", ":")).encode()
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     with open(tmp, "wb") as fp:  # tmpfs: no fsync needed; the rename is what makes it visible
-        fp.write(MAGIC + struct.pack("<Q", len(header)) + header)
+        fp.write(MAGIC + struct.pack("<QI", len(header), zlib.crc32(header)) + header)
         for view in views:
             fp.write(view)
     os.replace(tmp, path)
-    return len(MAGIC) + 8 + len(header) + offset
+    return _PREFIX + len(header) + offset
 
 
 def read_header(path: Path) -> dict | None:
@@ -110,21 +113,24 @@ def read_header(path: Path) -> dict | None:
     try:
         size = path.stat().st_size
         with open(path, "rb") as fp:
-            head = fp.read(len(MAGIC) + 8)
-            if len(head) != len(MAGIC) + 8 or head[:len(MAGIC)] != MAGIC:
+            head = fp.read(_PREFIX)
+            if len(head) != _PREFIX or head[:len(MAGIC)] != MAGIC:
                 return None
-            (length,) = struct.unpack("<Q", head[len(MAGIC):])
-            if length > MAX_HEADER or len(MAGIC) + 8 + length > size:
+            length, crc = struct.unpack("<QI", head[len(MAGIC):])
+            if length > MAX_HEADER or _PREFIX + length > size:
                 return None
-            header = json.loads(fp.read(length).decode())
+            text = fp.read(length)
+            if zlib.crc32(text) != crc:
+                return None
+            header = json.loads(text.decode())
     except (OSError, ValueError, UnicodeDecodeError):
         return None
     if not isinstance(header, dict) or header.get("version") != VERSION:
         return None
     data = header.get("data_bytes")
-    if not isinstance(data, int) or size != len(MAGIC) + 8 + length + data:
+    if not isinstance(data, int) or size != _PREFIX + length + data:
         return None
-    header["_offset"] = len(MAGIC) + 8 + length
+    header["_offset"] = _PREFIX + length
     return header
 
 
@@ -137,7 +143,7 @@ def read_snapshot(path: Path) -> tuple[int, dict, dict] | None:
         with open(path, "rb") as fp:
             fp.seek(header["_offset"])
             data = bytearray(fp.read())
-        if len(data) != header["data_bytes"] or zlib.crc32(data) != header["crc32"]:
+        if len(data) != header["data_bytes"]:
             return None
         buffer = torch.frombuffer(data, dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
         tensors = []
