@@ -110,13 +110,23 @@ def run(cmd: list[str], run_dir: Path, *, marker: str, kill_every: float | None,
                     next_kill = max(next_kill + kill_every, time.time() + 1)
                 time.sleep(0.05)
         finally:
-            kill_tree(proc.pid)
-            proc.wait()
+            _stop(proc)
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd[:3])} exited {proc.returncode}; see {log}")
     rows = _train_rows(run_dir)
     return {"launched": launched, "kills": kills, "rows": rows, "events": read_events(run_dir),
             "end": max(r["time"] for r in rows)}
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """SIGTERM first (meshrun train then removes its /dev/shm directory), SIGKILL of the tree after 10 s."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            kill_tree(proc.pid)  # not reaped yet, so the pid is still this process's
+            proc.wait()
 
 
 def _stepped_since(run_dir: Path, kills: list[dict]) -> bool:
@@ -198,8 +208,7 @@ def calibrate(work: Path, interval: int, seconds: float) -> float:
                     return (rows[-1]["step"] - rows[5]["step"]) / (rows[-1]["time"] - rows[5]["time"])
                 time.sleep(0.2)
         finally:
-            kill_tree(proc.pid)
-            proc.wait()
+            _stop(proc)
     raise RuntimeError(f"calibration never got going; see {work / 'calibrate.log'}")
 
 
