@@ -12,6 +12,7 @@ goodput.py reads for meshrun's runs too.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import time
@@ -82,6 +83,8 @@ def main() -> None:
         if first:
             events.record(run_dir, "first_step", step=app.step)
             first = False
+    del model, optimizer, app  # a clean gloo teardown: free DDP first, then barrier, then destroy
+    gc.collect()
     dist.barrier()
     dist.destroy_process_group()
 
