@@ -54,7 +54,7 @@ def test_repeated_sigkills_resume_from_memory_bitwise_and_exactly_once(tmp_path)
                             cwd=tmp_path, env=child_env(ENV), text=True, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, start_new_session=True)
     rng = random.Random()
-    killed_after, killed_at, deadline = [], [], time.monotonic() + 60 + 20 * KILLS
+    killed_after, killed_at, deadline = [], [], time.monotonic() + 90 + 40 * KILLS
     try:
         for kill in range(KILLS):
             # away from the disk checkpoints (10, 20, ...), where memory and disk hold the same step
