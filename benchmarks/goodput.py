@@ -238,6 +238,8 @@ def main() -> int:
     parser.add_argument("--interval", type=int, default=5, help="checkpoint.interval (disk), both ways (default 5)")
     parser.add_argument("--steps", type=int, help="steps of each run (default: calibrated to --minutes)")
     parser.add_argument("--skip-baseline", action="store_true", help="leave out the torchrun + DCP runs")
+    parser.add_argument("--disk-only-too", action="store_true",
+                        help="also the faulty meshrun run with checkpoint.snapshot_interval=0 (disk checkpoints only)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="more meshrun config for both meshrun runs, e.g. checkpoint.snapshot_interval=0")
     parser.add_argument("--keep", action="store_true", help="keep the work directory (logs, run dirs)")
@@ -260,6 +262,11 @@ def main() -> int:
         if clean["finished"] and faulty["finished"]:
             equal = same_weights(work / "clean" / "model.pt", work / "faulty" / "model.pt")
             print(f"  final model.pt bitwise equal to the fault-free run's: {'yes' if equal else 'NO'}")
+        if args.disk_only_too:
+            disk = run(meshrun_cmd(work, "disk-only", steps, args.interval, restarts,
+                                   [*extra, "--set", "checkpoint.snapshot_interval=0"]), work / "disk-only",
+                       marker="worker_main.py", kill_every=args.kill_every, timeout=limit, log=work / "disk-only.log")
+            summary("meshrun (exact), disk checkpoints only", clean, disk)
         if not args.skip_baseline:
             base_clean = run(baseline_cmd(work / "base-clean", steps, args.interval, 0), work / "base-clean",
                              marker="torchrun_dcp.py", kill_every=None, timeout=limit, log=work / "base-clean.log")
