@@ -15,7 +15,8 @@
 
 Each recovery is split, from the kill time, /proc and what the run writes (events.jsonl, rank 0's
 metrics.jsonl rows, one per step): detection (kill -> the surviving worker has exited), restart
-(-> the new workers' processes start), init (-> process group ready: imports, rendezvous),
+(-> the new workers' processes start), python (-> meshrun's worker entry runs: Python, config),
+torch (-> torch imported), rdzv (-> process group ready: rendezvous, group init),
 build (-> model, data, optimizer built), load (the state: snapshot or disk), first step
 (-> the first completed step), redo (steps recomputed), and kill -> next completed step.
 Processes are bounded by timeouts and stopped by pid, never by name.
@@ -44,7 +45,7 @@ from meshrun.runtime.events import read as read_events  # noqa: E402
 
 BIN = Path(sys.executable).parent
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
-PARTS = ("detect", "restart", "init", "build", "load", "first", "redo", "total")
+PARTS = ("detect", "restart", "python", "torch", "rdzv", "build", "load", "first", "redo", "total")
 
 
 def meshrun_cmd(run_root: Path, name: str, steps: int, interval: int, restarts: int, extra: list[str]) -> list[str]:
@@ -172,13 +173,17 @@ def breakdown(result: dict) -> list[dict]:
             times = [e["time"] for e in after if e["event"] == name]
             return max(times[:2]) if len(times) >= 2 else None
 
-        pg, built, loaded, stepped = (first_all(n) for n in ("pg_ready", "checkpointer_ready", "resumed", "first_step"))
+        names = ("worker_start", "torch_imported", "pg_ready", "checkpointer_ready", "resumed", "first_step")
+        begun, imported, pg, built, loaded, stepped = (first_all(n) for n in names)
+        if begun is None:  # the baseline script has no separate import events
+            begun = imported = kill["started"]
         resumed = next((e for e in after if e["event"] == "resumed" and e["rank"] == 0), None)
         done = [r["step"] for r in rows if r["time"] <= kill["survivors_exited"]]
-        if None in (pg, built, loaded, stepped) or resumed is None:
+        if None in (imported, pg, built, loaded, stepped) or resumed is None:
             continue
         out.append({"detect": kill["survivors_exited"] - kill["at"], "restart": kill["started"] - kill["survivors_exited"],
-                    "init": pg - kill["started"], "build": built - pg, "load": loaded - built, "first": stepped - loaded,
+                    "python": begun - kill["started"], "torch": imported - begun, "rdzv": pg - imported,
+                    "build": built - pg, "load": loaded - built, "first": stepped - loaded,
                     "redo": max(done or [0]) - resumed["step"], "total": stepped - kill["at"],
                     "source": resumed.get("source")})
     return out

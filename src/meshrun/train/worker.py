@@ -26,6 +26,9 @@ def main(argv: list[str] | None = None) -> int:
                                          "default: config.toml's")
     args = parser.parse_args(argv)
     run_dir = Path(args.run_dir)
+    from meshrun.runtime import events  # timestamps that split a restart (benchmarks/goodput.py)
+
+    events.record(run_dir, "worker_start", proc_start=events.process_start_time())
     try:
         cfg = load_config(run_dir / CONFIG_FILE, [f"checkpoint.resume={args.resume}"] if args.resume else [])
     except MeshrunError as exc:
@@ -43,10 +46,11 @@ def main(argv: list[str] | None = None) -> int:
         # Freed all-gather buffers go back to the OS, so FSDP's savings show in RSS. Not for DDP:
         # mmap'ed buffers are zeroed on first touch, which slows CPU steps (docs/parallel.md).
         configure_allocator()
-    env = meshrun.init()
-    from meshrun.runtime import events
+    from meshrun.runtime import session  # noqa: F401 - imports torch: timed apart from the rendezvous
 
-    events.record(run_dir, "pg_ready", proc_start=events.process_start_time())
+    events.record(run_dir, "torch_imported")
+    env = meshrun.init()
+    events.record(run_dir, "pg_ready")
     from meshrun.checkpoint import Preempted
     from meshrun.train.trainer import train  # after init: heavy imports off the error path
 
