@@ -35,6 +35,7 @@ from meshrun.checkpoint import safe_load, selection
 from meshrun.checkpoint import write_fault as wf
 from meshrun.checkpoint.preemption import Preempted, PreemptionSignals, write_marker
 from meshrun.checkpoint.samples import SampleLog
+from meshrun.checkpoint.snapshot import Snapshots
 from meshrun.checkpoint.state import (
     TrainState,
     apply_tensor_state,
@@ -75,6 +76,7 @@ class Checkpointer:
         self._async_group = None
         self._stager = None
         self._signals: PreemptionSignals | None = PreemptionSignals()
+        self.snapshots = Snapshots(cfg, run_dir=self.run_dir, env=env, layout=self.layout, config_toml=self.config_toml)
         runtime = process.peek()  # meshrun.shutdown() closes a Checkpointer the loop left open
         self._runtime_undo = runtime.undo if runtime is not None else None
         if self._runtime_undo is not None:
@@ -102,10 +104,9 @@ class Checkpointer:
         chosen = _broadcast(chosen)
         if isinstance(chosen, mf.CheckpointError):
             raise chosen
-        if chosen is not None:
-            self._load(Path(chosen), state)
-            self.resumed_from = Path(chosen)
-            self._last_saved = state.step
+        disk = None if chosen is None else Path(chosen)  # a newer in-memory snapshot wins (snapshot.py)
+        if self.snapshots.resume(state, disk=disk, load_disk=lambda path: self._load(path, state)) == "disk":
+            self.resumed_from, self._last_saved = disk, state.step
         loader = state.train_loader
         self.samples = SampleLog(self.run_dir, enabled=bool(getattr(self.cfg, "sample_log", False)),
                                  rank=self.env.rank, session=self.session, loader=loader)
@@ -142,6 +143,7 @@ class Checkpointer:
             raise Preempted(state.step, signum)
         if self.cfg.interval and state.step % self.cfg.interval == 0:
             self.save(state, blocking=not self.cfg.async_save)
+        self.snapshots.step_done(state)
 
     def finish(self, state: TrainState) -> None:
         """A last checkpoint at the final step (when checkpoints are on); waits for any background write."""

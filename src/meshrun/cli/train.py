@@ -240,10 +240,12 @@ def main(argv: list[str]) -> int:
                              + (["--profile", args.profile] if args.profile else []))
         print(f"meshrun train: run directory {run_dir}", file=sys.stderr)
         from meshrun.checkpoint.preemption import preempted_exit_code
+        from meshrun.checkpoint.snapshot_area import fixed_interval, snapshot_area
         from meshrun.launch.torch_elastic import SignalException
 
         started = time.time()
         try:
-            return run_plan(plan)
+            with snapshot_area(enabled=fixed_interval(cfg.checkpoint.snapshot_interval) != 0):  # /dev/shm
+                return run_plan(plan)
         except SignalException as exc:  # SIGTERM/SIGINT to the agent; it has stopped the workers
             return preempted_exit_code(run_dir, exc.sigval, since=started)

@@ -28,6 +28,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--profile", help="steps to profile, FIRST:LAST (meshrun train checked it)")
     args = parser.parse_args(argv)
     run_dir = Path(args.run_dir)
+    from meshrun.runtime import events  # timestamps that split a restart (benchmarks/goodput.py)
+
+    events.record(run_dir, "worker_start", proc_start=events.process_start_time())
     try:
         cfg = load_config(run_dir / CONFIG_FILE, [f"checkpoint.resume={args.resume}"] if args.resume else [])
         profile = parse_steps(args.profile, cfg.train.steps) if args.profile else None
@@ -50,7 +53,11 @@ def main(argv: list[str] | None = None) -> int:
         from meshrun.parallel.compile import use_run_cache
 
         use_run_cache(run_dir)  # before inductor reads it: a restarted run reuses the kernels
+    from meshrun.runtime import session  # noqa: F401 - imports torch: timed apart from the rendezvous
+
+    events.record(run_dir, "torch_imported")
     env = meshrun.init()
+    events.record(run_dir, "pg_ready")
     from meshrun.checkpoint import Preempted
     from meshrun.train.trainer import train  # after init: heavy imports off the error path
 

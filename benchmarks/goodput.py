@@ -1,0 +1,292 @@
+"""Goodput under failures: `meshrun train` with a SIGKILL of a random worker every K seconds, next to the same run without.
+
+    python benchmarks/goodput.py                               # 10 minutes a run, a kill every 60 s
+    python benchmarks/goodput.py --minutes 0.5 --kill-every 10 --skip-baseline
+
+1. Calibration (about 20 s): a fault-free `meshrun train` (2 processes, examples/configs/tiny.toml,
+   checkpoint.interval 5) gives its steps/s, hence S = the steps a fault-free run does in --minutes.
+2. meshrun, S steps without faults, then the same S steps with a SIGKILL of a random worker every
+   --kill-every seconds, once the job has completed a step since the last recovery began
+   (--max-restarts large enough). Goodput = useful tokens/s with faults / without
+   = (launch -> step S, fault-free) / (launch -> step S, with kills). The final model.pt files must be
+   bitwise equal.
+3. The guide's way, the same two runs: plain `torchrun` + DCP every checkpoint.interval steps
+   (benchmarks/torchrun_dcp.py).
+
+Each recovery is split, from the kill time, /proc and what the run writes (events.jsonl, rank 0's
+metrics.jsonl rows, one per step): detection (kill -> the surviving worker has exited), restart
+(-> the new workers' processes start), python (-> meshrun's worker entry runs: Python, config),
+torch (-> torch imported), rdzv (-> process group ready: rendezvous, group init),
+build (-> model, data, optimizer built), load (the state: snapshot or disk), first step
+(-> the first completed step), redo (steps recomputed), and kill -> next completed step.
+Processes are bounded by timeouts and stopped by pid, never by name.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "tests"))
+from conftest import _descendants, kill_tree  # noqa: E402 - the tests' process helpers: by pid, never by name
+
+from meshrun.runtime.events import process_start_time  # noqa: E402
+from meshrun.runtime.events import read as read_events  # noqa: E402
+
+BIN = Path(sys.executable).parent
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+PARTS = ("detect", "restart", "python", "torch", "rdzv", "build", "load", "first", "redo", "total")
+
+
+def meshrun_cmd(run_root: Path, name: str, steps: int, interval: int, restarts: int, extra: list[str]) -> list[str]:
+    return [str(BIN / "meshrun"), "train", str(REPO / "examples/configs/tiny.toml"), "--nproc-per-node", "2",
+            "--max-restarts", str(restarts), "--set", f"train.name={name}", "--set", f"train.run_dir={run_root}",
+            "--set", f"train.steps={steps}", "--set", "train.eval_interval=0", "--set", "metrics.interval=1",
+            "--set", "train.log_interval=100000", "--set", f"checkpoint.interval={interval}", *extra]
+
+
+def baseline_cmd(run_dir: Path, steps: int, interval: int, restarts: int) -> list[str]:
+    return [str(BIN / "torchrun"), "--nproc-per-node", "2", "--max-restarts", str(restarts),
+            str(REPO / "benchmarks/torchrun_dcp.py"), "--run-dir", str(run_dir), "--steps", str(steps),
+            "--interval", str(interval)]
+
+
+def _is_worker(pid: int, marker: str) -> bool:
+    try:
+        return marker in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+    except OSError:
+        return False
+
+
+def _gone(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except OSError:
+        return True
+
+
+def _train_rows(run_dir: Path) -> list[dict]:
+    try:
+        lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    except OSError:
+        return []
+    rows = []
+    for line in lines:
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        if row.get("kind") == "train":
+            rows.append(row)
+    return rows
+
+
+def run(cmd: list[str], run_dir: Path, *, marker: str, kill_every: float | None, timeout: float,
+        log: Path) -> dict:
+    """Start cmd, SIGKILL a random worker every kill_every seconds, wait for the end; kill records."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    with open(log, "w") as out:
+        launched = time.time()
+        proc = subprocess.Popen(cmd, env=ENV, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        kills, rng, finished = [], random.Random(0), False
+        try:
+            next_kill = launched + (kill_every or 0)
+            while not finished:
+                finished = proc.poll() is not None
+                if not finished and time.time() > launched + timeout:
+                    print(f"  {run_dir.name}: stopped unfinished after {timeout:.0f} s (--minutes bounds each run)")
+                    break
+                if kill_every and time.time() >= next_kill and _stepped_since(run_dir, kills):
+                    kill = _kill_one(proc.pid, marker, rng, launched + timeout)
+                    if kill is not None:
+                        kills.append(kill)
+                    next_kill = max(next_kill + kill_every, time.time() + 1)
+                time.sleep(0.05)
+        finally:
+            _stop(proc)
+    if finished and proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd[:3])} exited {proc.returncode}; see {log}")
+    rows = _train_rows(run_dir)
+    if not rows:
+        raise RuntimeError(f"{' '.join(cmd[:3])} completed no step; see {log}")
+    last = max(rows, key=lambda r: r["step"])
+    return {"launched": launched, "kills": kills, "rows": rows, "events": read_events(run_dir),
+            "end": last["time"], "steps": last["step"], "finished": finished}
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """SIGTERM first (meshrun train then removes its /dev/shm directory), SIGKILL of the tree after 10 s."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            kill_tree(proc.pid)  # not reaped yet, so the pid is still this process's
+            proc.wait()
+
+
+def _stepped_since(run_dir: Path, kills: list[dict]) -> bool:
+    """A step completed since the last recovery began: never kill a job that has not recovered yet."""
+    rows = _train_rows(run_dir)
+    return bool(rows) and (not kills or rows[-1]["time"] > kills[-1]["started"])
+
+
+def _kill_one(agent: int, marker: str, rng: random.Random, deadline: float) -> dict | None:
+    """SIGKILL one worker; poll /proc until the survivors exit and new workers start."""
+    workers = [p for p in _descendants(agent) if _is_worker(p, marker)]
+    if len(workers) < 2:
+        return None  # a restart is under way: no kill now
+    victim = rng.choice(workers)
+    killed_at = time.time()
+    os.kill(victim, signal.SIGKILL)
+    survivors = [p for p in workers if p != victim]
+    exited = None
+    while time.time() < deadline:
+        now = time.time()
+        if exited is None and all(_gone(p) for p in survivors):
+            exited = now
+        fresh = [p for p in _descendants(agent) if p not in workers and _is_worker(p, marker)]
+        if exited is not None and fresh:
+            starts = [s for s in map(process_start_time, fresh) if s is not None]
+            return {"at": killed_at, "survivors_exited": exited, "started": min(starts) if starts else now}
+        time.sleep(0.01)
+    return None
+
+
+def breakdown(result: dict) -> list[dict]:
+    """Per kill: the seconds of each part (see the module docstring)."""
+    rows, events, out = result["rows"], result["events"], []
+    for kill in result["kills"]:
+        after = [e for e in events if e["time"] >= kill["started"] - 0.05]
+
+        def first_all(name: str, after=after) -> float | None:  # every rank of the new start has got there
+            times = [e["time"] for e in after if e["event"] == name]
+            return max(times[:2]) if len(times) >= 2 else None
+
+        names = ("worker_start", "torch_imported", "pg_ready", "checkpointer_ready", "resumed", "first_step")
+        begun, imported, pg, built, loaded, stepped = (first_all(n) for n in names)
+        if begun is None:  # the baseline script has no separate import events
+            begun = imported = kill["started"]
+        resumed = next((e for e in after if e["event"] == "resumed" and e["rank"] == 0), None)
+        done = [r["step"] for r in rows if r["time"] <= kill["survivors_exited"]]
+        if None in (imported, pg, built, loaded, stepped) or resumed is None:
+            continue
+        out.append({"detect": kill["survivors_exited"] - kill["at"], "restart": kill["started"] - kill["survivors_exited"],
+                    "python": begun - kill["started"], "torch": imported - begun, "rdzv": pg - imported,
+                    "build": built - pg, "load": loaded - built, "first": stepped - loaded,
+                    "redo": max(done or [0]) - resumed["step"], "total": stepped - kill["at"],
+                    "source": resumed.get("source")})
+    return out
+
+
+def summary(name: str, clean: dict, faulty: dict) -> None:
+    clean_s = clean["end"] - clean["launched"]
+    faulty_s = faulty["end"] - faulty["launched"]
+    parts = breakdown(faulty)
+    goodput = (faulty["steps"] / faulty_s) / (clean["steps"] / clean_s)
+    print(f"{name}: goodput {goodput:.3f} (launch -> step {clean['steps']}: {clean_s:.1f} s without faults; "
+          f"-> step {faulty['steps']}: {faulty_s:.1f} s with {len(faulty['kills'])} SIGKILLs)")
+    chosen = [e for e in faulty["events"] if e["event"] == "snapshot_interval" and e["rank"] == 0]
+    if chosen:
+        last = chosen[-1]
+        print(f"  snapshots every {last['interval']} steps ('auto': one took {last['cost_s'] * 1e3:.1f} ms, "
+              f"a step {last['step_s'] * 1e3:.1f} ms)")
+    if not parts:
+        return
+    sources = {p["source"] for p in parts}
+    print(f"  {len(parts)} recoveries, resumed from {', '.join(sorted(str(s) for s in sources))}; median (min-max), s:")
+    for part in PARTS:
+        values = [p[part] for p in parts]
+        unit = " steps" if part == "redo" else ""
+        print(f"    {part:8s} {statistics.median(values):6.2f}{unit} ({min(values):.2f}-{max(values):.2f})")
+
+
+def calibrate(work: Path, interval: int, seconds: float) -> float:
+    """Steps/s of a fault-free meshrun run, steady state (after its first 5 steps)."""
+    cmd = meshrun_cmd(work, "calibrate", 1_000_000, interval, 0, [])
+    with open(work / "calibrate.log", "w") as out:
+        proc = subprocess.Popen(cmd, env=ENV, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.time() + 120
+        try:
+            while time.time() < deadline and proc.poll() is None:
+                rows = _train_rows(work / "calibrate")
+                if len(rows) > 5 and rows[-1]["time"] - rows[5]["time"] >= seconds:
+                    return (rows[-1]["step"] - rows[5]["step"]) / (rows[-1]["time"] - rows[5]["time"])
+                time.sleep(0.2)
+        finally:
+            _stop(proc)
+    raise RuntimeError(f"calibration never got going; see {work / 'calibrate.log'}")
+
+
+def same_weights(a: Path, b: Path) -> bool:
+    import torch
+
+    wa, wb = torch.load(a, weights_only=True), torch.load(b, weights_only=True)
+    return wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--minutes", type=float, default=10,
+                        help="wall time of a fault-free run (default 10); each run is stopped after 3x that + 1 min")
+    parser.add_argument("--kill-every", type=float, default=60, help="seconds between SIGKILLs (default 60)")
+    parser.add_argument("--interval", type=int, default=5, help="checkpoint.interval (disk), both ways (default 5)")
+    parser.add_argument("--steps", type=int, help="steps of each run (default: calibrated to --minutes)")
+    parser.add_argument("--skip-baseline", action="store_true", help="leave out the torchrun + DCP runs")
+    parser.add_argument("--disk-only-too", action="store_true",
+                        help="also the faulty meshrun run with checkpoint.snapshot_interval=0 (disk checkpoints only)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="more meshrun config for both meshrun runs, e.g. checkpoint.snapshot_interval=0")
+    parser.add_argument("--keep", action="store_true", help="keep the work directory (logs, run dirs)")
+    args = parser.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # `timeout` too: the finally blocks stop the runs
+    work = Path(tempfile.mkdtemp(prefix="meshrun-goodput-"))
+    print(f"load average before: {Path('/proc/loadavg').read_text().split()[:3]}; work dir {work}")
+    try:
+        steps = args.steps or max(20, round(calibrate(work, args.interval, 15) * args.minutes * 60))
+        limit = args.minutes * 60 * 3 + 60  # each run: a faulty one may take 3x the fault-free time
+        restarts = int(limit / args.kill_every) + 2
+        extra = [x for kv in args.set for x in ("--set", kv)]
+        print(f"{steps} steps a run (2 processes, tiny model, checkpoint.interval {args.interval}), "
+              f"a SIGKILL every {args.kill_every:g} s")
+        clean = run(meshrun_cmd(work, "clean", steps, args.interval, 0, extra), work / "clean",
+                    marker="worker_main.py", kill_every=None, timeout=limit, log=work / "clean.log")
+        faulty = run(meshrun_cmd(work, "faulty", steps, args.interval, restarts, extra), work / "faulty",
+                     marker="worker_main.py", kill_every=args.kill_every, timeout=limit, log=work / "faulty.log")
+        summary("meshrun (exact)", clean, faulty)
+        if clean["finished"] and faulty["finished"]:
+            equal = same_weights(work / "clean" / "model.pt", work / "faulty" / "model.pt")
+            print(f"  final model.pt bitwise equal to the fault-free run's: {'yes' if equal else 'NO'}")
+        if args.disk_only_too:
+            disk = run(meshrun_cmd(work, "disk-only", steps, args.interval, restarts,
+                                   [*extra, "--set", "checkpoint.snapshot_interval=0"]), work / "disk-only",
+                       marker="worker_main.py", kill_every=args.kill_every, timeout=limit, log=work / "disk-only.log")
+            summary("meshrun (exact), disk checkpoints only", clean, disk)
+        if not args.skip_baseline:
+            base_clean = run(baseline_cmd(work / "base-clean", steps, args.interval, 0), work / "base-clean",
+                             marker="torchrun_dcp.py", kill_every=None, timeout=limit, log=work / "base-clean.log")
+            base_faulty = run(baseline_cmd(work / "base-faulty", steps, args.interval, restarts), work / "base-faulty",
+                              marker="torchrun_dcp.py", kill_every=args.kill_every, timeout=limit,
+                              log=work / "base-faulty.log")
+            summary("torchrun + DCP (the guide's way)", base_clean, base_faulty)
+        print(f"load average after: {Path('/proc/loadavg').read_text().split()[:3]}")
+    finally:
+        if not args.keep:
+            import shutil
+
+            shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,99 @@
+"""SIGKILL a worker again and again: every restart resumes from the in-memory snapshot, exactly.
+
+Disk checkpoints every 10 steps, snapshots every step: each restart must load the snapshot
+(events.jsonl says so), redo fewer steps than the disk checkpoint would make it redo, and the
+run must end with weights bitwise equal to an uninterrupted run's and every sample seen once.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import BIN, TINY, _descendants, child_env, kill_tree
+
+from meshrun.checkpoint.samples import effective_samples
+from meshrun.runtime.events import read as read_events
+
+KILLS = int(os.environ.get("MESHRUN_SNAPSHOT_KILLS", "3"))  # CI may ask for more: each costs a restart
+STEPS, DISK_EVERY = 12 * KILLS + 4, 10
+COMMON = ["--nproc-per-node", "2", "--set", f"train.steps={STEPS}", "--set", "train.eval_interval=0",
+          "--set", f"checkpoint.interval={DISK_EVERY}", "--set", "checkpoint.sample_log=true",
+          "--set", "metrics.jsonl=false", "--set", "checkpoint.snapshot_interval=1"]
+ENV = {"OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+
+
+def _args(tmp: Path, name: str, *extra: str) -> list[str]:
+    return ["train", TINY, "--set", f"train.name={name}", "--set", f"train.run_dir={tmp}", *COMMON, *extra]
+
+
+def _last_step(run_dir: Path, session_index: int) -> int:
+    """The last step rank 0 logged in its `session_index`-th start (-1 before it has one)."""
+    try:
+        rows = [json.loads(line) for line in (run_dir / "samples" / "rank-00000.jsonl").read_text().splitlines()]
+    except (OSError, ValueError):
+        return -1
+    sessions = sorted({r["session"] for r in rows})
+    if len(sessions) <= session_index:
+        return -1
+    return max(r["step"] for r in rows if r["session"] == sessions[session_index])
+
+
+def test_repeated_sigkills_resume_from_memory_bitwise_and_exactly_once(tmp_path):
+    ref = subprocess.Popen([str(BIN / "meshrun"), *_args(tmp_path, "ref")], cwd=tmp_path, env=child_env(ENV),
+                           text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    run_dir = tmp_path / "killed"
+    proc = subprocess.Popen([str(BIN / "meshrun"), *_args(tmp_path, "killed", "--max-restarts", str(KILLS))],
+                            cwd=tmp_path, env=child_env(ENV), text=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, start_new_session=True)
+    rng = random.Random()
+    killed_after, killed_at, deadline = [], [], time.monotonic() + 90 + 40 * KILLS
+    try:
+        for kill in range(KILLS):
+            # away from the disk checkpoints (10, 20, ...), where memory and disk hold the same step
+            target = rng.choice([s for s in range(kill * 12 + 3, kill * 12 + 10) if s % DISK_EVERY not in (9, 0, 1)])
+            while _last_step(run_dir, kill) < target:
+                assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0][-3000:]
+                time.sleep(0.01)
+            workers = [p for p in _descendants(proc.pid) if "worker_main.py" in Path(f"/proc/{p}/cmdline").read_text()]
+            assert workers, "no worker process found"
+            os.kill(rng.choice(workers), signal.SIGKILL)
+            killed_at.append(time.time())
+            killed_after.append(_last_step(run_dir, kill))
+        out, _ = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+        ref_out, _ = ref.communicate(timeout=max(1.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        pytest.fail("a run did not finish in time")
+    finally:
+        kill_tree(proc.pid)
+        kill_tree(ref.pid)
+    assert proc.returncode == 0, out[-4000:]
+    assert ref.returncode == 0, ref_out[-4000:]
+
+    events = read_events(run_dir)
+    resumed = [e for e in events if e["event"] == "resumed" and e["rank"] == 0 and e["attempt"] > 0]
+    stepped = [e["time"] for e in events if e["event"] == "first_step" and e["rank"] == 0 and e["attempt"] > 0]
+    print("SIGKILL -> next completed step, s:", [round(b - a, 2) for a, b in zip(killed_at, stepped, strict=False)])
+    assert [e["source"] for e in resumed] == ["snapshot"] * KILLS, resumed
+    for kill, event in enumerate(resumed):  # the rank killed mid-step may not have its snapshot of that step
+        assert killed_after[kill] - 1 <= event["step"] <= killed_after[kill] + 1, (killed_after, resumed)
+        disk_step = int(event["disk"].split("-")[1]) if event["disk"] else 0
+        assert disk_step < event["step"], (killed_after, resumed)  # disk alone would redo more steps
+    assert "resumed from the in-memory snapshot of step" in out
+
+    ref_w = torch.load(tmp_path / "ref" / "model.pt", weights_only=True)
+    got_w = torch.load(run_dir / "model.pt", weights_only=True)
+    assert ref_w.keys() == got_w.keys()
+    assert not [k for k in ref_w if not torch.equal(ref_w[k], got_w[k])], "weights differ from the uninterrupted run"
+    samples = effective_samples(run_dir)
+    assert sorted(samples) == list(range(1, STEPS + 1))
+    flat = [s for step in samples.values() for s in step]
+    assert len(flat) == len(set(flat)) and samples == effective_samples(tmp_path / "ref")
+    assert not list(Path(os.environ.get("MESHRUN_SNAPSHOT_ROOT", "/dev/shm")).glob(f"meshrun-{proc.pid}-*"))
