@@ -5,8 +5,12 @@ apply_compile as build_layout does it, train_step): eagerly, then with every blo
 inductor. The parity matrix's tiny Transformer (dim 32, 4 blocks, seq 16), fp32, AdamW, clipping,
 STEPS steps on one fixed global batch. The loss every rank logs must match eager within TOL at
 every step. The blocks share one graph per layout (DDP and FSDP even share it: FSDP2 hands the
-block plain unsharded tensors), so this costs two inductor compiles, cached across runs in
-inductor's default cache.
+block plain unsharded tensors), so this costs two inductor compiles.
+
+The cache survives a restart: the launch compiles into a fresh cache directory (what
+`use_run_cache` points a run at, <run dir>/compile-cache), then a second launch of new processes,
+as a restarted run, compiles DDP again from it: inductor's FX graph cache and AOTAutograd's cache
+count only hits (their own counters, not a timing).
 """
 
 from __future__ import annotations
@@ -65,9 +69,28 @@ def _rank_all() -> dict:
             for name, layout in LAYOUTS.items() for on in (False, True)}
 
 
+def _rank_restarted() -> dict:
+    """A restarted run's processes: DDP compiled again, from the cache the first launch filled."""
+    from torch._dynamo.utils import counters
+
+    losses, _, _ = _train(LAYOUTS["ddp2"], True)
+    return {"losses": losses, "fx_hit": counters["inductor"]["fxgraph_cache_hit"],
+            "fx_miss": counters["inductor"]["fxgraph_cache_miss"],
+            "aot_hit": counters["aot_autograd"]["autograd_cache_hit"]}
+
+
 @pytest.fixture(scope="module")
-def runs() -> list[dict]:
-    return run_distributed(_rank_all, world_size=2, timeout=280, env={"OMP_NUM_THREADS": "1"})
+def cache_env(tmp_path_factory) -> dict:
+    from meshrun.parallel.compile import use_run_cache
+
+    env = {"OMP_NUM_THREADS": "1"}
+    use_run_cache(tmp_path_factory.mktemp("run"), env)  # what the worker does for a run directory
+    return env
+
+
+@pytest.fixture(scope="module")
+def runs(cache_env) -> list[dict]:
+    return run_distributed(_rank_all, world_size=2, timeout=280, env=cache_env)
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
@@ -82,3 +105,12 @@ def test_compiled_layout_matches_eager(runs, name):
             print(f"{name}: compiled vs eager max loss difference {diff:.1e}")
         assert diff < TOL, f"{name} rank {rank}: {compiled} vs eager {eager}"
         assert eager[-1] < eager[0], f"{name}: the run should learn"
+
+
+def test_a_restarted_run_compiles_from_the_cache(runs, cache_env):
+    first = [result["ddp2/compiled"][0] for result in runs]
+    again = run_distributed(_rank_restarted, world_size=2, timeout=200, env=cache_env)
+    for rank, result in enumerate(again):
+        assert result["fx_hit"] > 0 and result["fx_miss"] == 0, result
+        assert result["aot_hit"] > 0, result
+        assert result["losses"] == first[rank], (result["losses"], first[rank])  # the same kernels

@@ -61,7 +61,9 @@ def exempt_blocks() -> list[Block]:
 def test_exempt_list_is_short():
     """Keep exemptions rare: each one is a command nobody checks. Raise the bound only with a reason."""
     exempt = {(b.lang, normalized(b)): b for b in exempt_blocks()}.values()  # the READMEs' count once
-    assert len(exempt) <= 11, "\n".join(f"{b.where}: {b.reason}" for b in exempt)
+    # 12: docs/generate.md's overview needs a trained run and an HF export of it (the commands run
+    # in docs/checkpoint.md's "Export to Hugging Face" and tests/e2e/test_generate.py instead).
+    assert len(exempt) <= 12, "\n".join(f"{b.where}: {b.reason}" for b in exempt)
 
 
 # --- the harness itself must fail on a broken page: scratch pages, one short subprocess each ---
