@@ -1,6 +1,7 @@
 """`meshrun train --set model.hf=DIR` end to end through the CLI, against plain `transformers`.
 
-Tiny models saved with save_pretrained (conftest.save_tiny_hf). Each run trains STEPS steps on
+Tiny models saved with save_pretrained (conftest.save_tiny_hf), on 1, 2 and 4 processes: one
+process (tied Qwen3), FSDP 2, TP 2 x FSDP-replicated 2 (2-D), and PP 2 (1F1B) x DDP 2. Each run trains STEPS steps on
 the built-in corpus and logs the loss every step; the reference trains the single-process
 `AutoModelForCausalLM.from_pretrained(DIR)` on the same global batches (meshrun's loader, every
 data-parallel rank's rows in rank order) with meshrun's own AdamW and LR schedule, and every
@@ -29,7 +30,7 @@ ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 
 
 def _train(tmp_path, name: str, hf_dir, nproc: int, *sets: str):
-    dp = nproc // (2 if "parallel.tp=2" in sets else 1)
+    dp = nproc // (2 if "parallel.tp=2" in sets or "parallel.pp=2" in sets else 1)
     args = ["train", "--set", f"model.hf={hf_dir}", "--set", f"train.run_dir={tmp_path}",
             "--set", f"train.name={name}", "--set", f"train.batch_size={GLOBAL_BATCH // dp}",
             "--nproc-per-node", str(nproc), *COMMON]
@@ -79,7 +80,8 @@ def hf_dirs(tmp_path_factory):
     ("qwen3", 1, ()),
     ("llama", 2, ("parallel.strategy=fsdp",)),
     ("llama", 4, ("parallel.strategy=fsdp", "parallel.dp_replicate=2", "parallel.tp=2")),
-], ids=["1proc_qwen3_tied", "fsdp2_llama", "tp2_dp2_llama"])
+    ("llama", 4, ("parallel.pp=2", "parallel.pp_schedule=1f1b")),
+], ids=["1proc_qwen3_tied", "fsdp2_llama", "tp2_dp2_llama", "pp2_ddp2_llama"])
 def test_train_matches_transformers(tmp_path, hf_dirs, family, nproc, sets):
     run_dir, dp = _train(tmp_path, "run", hf_dirs[family], nproc, *sets)
     got = [row["loss"] for row in metrics_records(run_dir, "train")]
@@ -90,7 +92,7 @@ def test_train_matches_transformers(tmp_path, hf_dirs, family, nproc, sets):
     assert diff < TOL, f"loss differs by {diff:.2e}: {got} vs {ref}"
     assert ref[-1] < ref[0], f"the reference should learn: {ref}"
     assert (run_dir / "model.pt").is_file()
-    if nproc > 1:  # a sharded (FSDP 2) and a TP 2 checkpoint go back to Hugging Face
+    if "parallel.strategy=fsdp" in sets:  # a sharded (FSDP 2) and a TP 2 checkpoint go back to Hugging Face
         _export_matches_the_trained_model(tmp_path, run_dir)
 
 
