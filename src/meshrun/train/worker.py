@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 from pathlib import Path
 
 import meshrun
@@ -30,7 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     run_dir = Path(args.run_dir)
     from meshrun.runtime import events  # timestamps that split a restart (benchmarks/goodput.py)
 
-    events.record(run_dir, "worker_start", proc_start=events.process_start_time())
+    started = round(time.time(), 4)  # recorded below: a finished run's directory is never written
     try:
         cfg = load_config(run_dir / CONFIG_FILE, [f"checkpoint.resume={args.resume}"] if args.resume else [])
         profile = parse_steps(args.profile, cfg.train.steps) if args.profile else None
@@ -43,6 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     if done is not None:  # e.g. the agent restarted the workers after the end: never train it again
         print(f"meshrun train: {run_dir} has finished (step {done}); not training it again", file=sys.stderr)
         return 0
+    events.record(run_dir, "worker_start", time=started, proc_start=events.process_start_time())
     if cfg.parallel.strategy == "fsdp":
         from meshrun.runtime.alloc import configure_allocator
 
