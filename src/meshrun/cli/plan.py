@@ -144,7 +144,7 @@ def _config_line(cfg, plan: Plan, args, world: int, batch: int) -> str:
 
 def main(argv: list[str]) -> int:
     from meshrun.config import load_config
-    from meshrun.models.factory import model_args_from_config
+    from meshrun.models.from_config import model_args_from_config
     from meshrun.models.sizes import get_size
     from meshrun.parallel.resolve import ModelShape, ParallelOptions, resolve_layout
     from meshrun.plan.show import format_show

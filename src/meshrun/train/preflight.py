@@ -92,7 +92,7 @@ def _check_layout(cfg: JobConfig, vocab_size: int, nproc_per_node: str, nnodes: 
         return
     model = None
     if not cfg.model.factory:  # the user's model: its shape is checked on the workers
-        from meshrun.models.factory import model_args_from_config
+        from meshrun.models.from_config import model_args_from_config
 
         model = ModelShape.from_args(model_args_from_config(cfg.model, vocab_size))
     resolve_layout(options, world, model)
