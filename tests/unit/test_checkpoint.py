@@ -100,11 +100,16 @@ def test_ckpt_list_inspect_and_export_cli(tmp_path, capsys):
     assert main(["export", str(ckpt), str(exported), "--format", "torch"]) == 0
     state = torch.load(exported, weights_only=True)
     assert state.keys() == model.keys() and all(torch.equal(state[k], model[k]) for k in model)
+    with pytest.raises(ConfigError, match="model.pt exists; give a new file name, or --force"):
+        main(["export", str(ckpt), str(exported), "--format", "torch"])  # never overwritten silently
+    with pytest.raises(ConfigError, match="--max-shard-size 1GB: only --format hf writes shards"):
+        main(["export", str(ckpt), str(tmp_path / "new.pt"), "--format", "torch", "--max-shard-size", "1GB"])
+    assert main(["export", str(ckpt), str(exported), "--format", "torch", "--force"]) == 0
     (ckpt / "__0_0.distcp").write_bytes(b"garbage")
     assert main(["inspect", str(ckpt)]) == 1
     assert "valid       NO:" in capsys.readouterr().out
     with pytest.raises(mf.CheckpointError, match="will not export a damaged checkpoint"):
-        main(["export", str(ckpt), str(exported)])
+        main(["export", str(ckpt), str(exported), "--force"])
 
 
 @pytest.mark.parametrize("umask", [0o022, 0o077])

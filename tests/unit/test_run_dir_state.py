@@ -135,5 +135,7 @@ def test_recording_settings_may_change_between_starts_the_training_ones_may_not(
     saved = load_config(None, [])
     more = dataclasses.replace(saved, metrics=dataclasses.replace(saved.metrics, trackers="tensorboard", interval=3))
     assert first_difference(saved, more) is None  # adding a tracker on resume needs no --force
+    snaps = dataclasses.replace(saved, checkpoint=dataclasses.replace(saved.checkpoint, snapshot_interval=1))
+    assert first_difference(saved, snaps) is None  # memory snapshots do not change the weights either
     lr = dataclasses.replace(saved, optim=dataclasses.replace(saved.optim, lr=saved.optim.lr * 2))
     assert first_difference(saved, lr).startswith("optim.lr=")

@@ -22,8 +22,10 @@ from meshrun.errors import ConfigError, MeshrunError
 FORCE_HINT = "add --force to do so, or start a new run with --set train.name=NEW"
 # Per-start choices, not the run's settings: they may differ from start to start.
 # Keys a later start may change freely: where and how to start, and what is recorded about the run
-# (metrics cadence, trackers): none of them changes the weights, so none needs --force.
-_PER_START = {"launch", "checkpoint.resume", "train.name", "train.run_dir", "metrics"}
+# (metrics cadence, trackers), how often memory snapshots are taken: none of them changes the
+# weights, so none needs --force. (A snapshot taken under another config.toml is not resumed from:
+# checkpoint/snapshot.py compares them, and the disk checkpoint is used.)
+_PER_START = {"launch", "checkpoint.resume", "checkpoint.snapshot_interval", "train.name", "train.run_dir", "metrics"}
 
 
 @dataclasses.dataclass

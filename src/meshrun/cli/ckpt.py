@@ -19,6 +19,8 @@ from pathlib import Path
 from meshrun.errors import ConfigError
 from meshrun.runtime.diskfault import human_bytes
 
+HF_SHARD_DEFAULT = "2GB"  # transformers' save_pretrained default
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="meshrun ckpt", description=__doc__.split("\n\n")[0],
@@ -36,9 +38,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--format", default="safetensors", choices=("safetensors", "torch", "hf"),
                    help="safetensors (default), torch (torch.save of a state_dict), or hf (a directory that "
                    "transformers' from_pretrained loads)")
-    p.add_argument("--max-shard-size", default="2GB", metavar="SIZE",
-                   help="--format hf: the largest safetensors shard, e.g. 2GB (default), 500MB, 1GiB")
-    p.add_argument("--force", action="store_true", help="--format hf: replace an earlier export in OUT")
+    p.add_argument("--max-shard-size", default=None, metavar="SIZE",
+                   help=f"--format hf only: the largest safetensors shard, e.g. {HF_SHARD_DEFAULT} (default), "
+                   "500MB, 1GiB")
+    p.add_argument("--force", action="store_true",
+                   help="replace an existing OUT file (safetensors, torch) or an earlier export in OUT (hf)")
     return parser
 
 
@@ -103,6 +107,14 @@ def main(argv: list[str]) -> int:
         return _inspect(Path(args.ckpt), args.json)
     if args.format == "hf":
         return _export_hf(args)
+    if args.max_shard_size is not None:
+        raise ConfigError(f"--max-shard-size {args.max_shard_size}: only --format hf writes shards; "
+                          f"--format {args.format} writes one file, drop the flag")
+    out = Path(args.out)
+    if out.is_dir():
+        raise ConfigError(f"{out} is a directory; --format {args.format} writes one file: give a file name")
+    if (out.exists() or out.is_symlink()) and not args.force:
+        raise ConfigError(f"{out} exists; give a new file name, or --force to replace it")
     from meshrun.checkpoint.export import export
 
     shapes = export(Path(args.ckpt), Path(args.out), fmt=args.format)
@@ -114,7 +126,8 @@ def main(argv: list[str]) -> int:
 def _export_hf(args: argparse.Namespace) -> int:
     from meshrun.models.export_hf import export_hf
 
-    done = export_hf(Path(args.ckpt), Path(args.out), max_shard_size=args.max_shard_size, force=args.force)
+    done = export_hf(Path(args.ckpt), Path(args.out), max_shard_size=args.max_shard_size or HF_SHARD_DEFAULT,
+                     force=args.force)
     print(f"wrote {done['out']}: {done['tensors']} tensors in {done['shards']} shard(s), "
           f"{human_bytes(done['bytes'])}; load it with transformers.AutoModelForCausalLM.from_pretrained"
           f"({done['out']!r})", file=sys.stderr)
