@@ -29,7 +29,7 @@ def test_the_shape_comes_from_config_json(tmp_path):
     assert (args.dim, args.n_layers, args.n_heads, args.n_kv_heads, args.ffn_hidden) == (32, 3, 4, 2, 64)
     assert (args.vocab_size, args.max_seq_len, args.tie_embeddings, args.rope_theta) == (300, 64, True, 5e5)
     # the planner and the pre-flight read the same through the [model] section
-    assert model_args_from_config(load_config(None, [f"model.hf={path}"]).model, 259) == args
+    assert model_args_from_config(load_config(None, [f"model.hf={path}", "data.seq_len=64"]).model, 259) == args
 
 
 def test_a_tokenizer_larger_than_the_model_is_one_line(tmp_path):
@@ -52,7 +52,24 @@ def test_an_unsupported_model_type_lists_the_supported_ones(tmp_path):
     path = _hf_dir(tmp_path, {**QWEN3, "model_type": "mixtral"})
     with pytest.raises(ConfigError) as err:
         load_config(None, [f"model.hf={path}"])
+    (path / "config.json").write_text(json.dumps(QWEN3))
     assert "'mixtral' is not supported" in str(err.value) and all(k in str(err.value) for k in SUPPORTED)
+    with pytest.raises(ConfigError, match=r"data.seq_len=65 is longer than model.hf=.* \(max_position_embeddings=64\)"):
+        load_config(None, [f"model.hf={path}", "data.seq_len=65"])
     (path / "config.json").write_text("{not json")
     with pytest.raises(ConfigError, match="not readable JSON"):
         load_config(None, [f"model.hf={path}"])
+
+
+def test_tensor_parallel_rules_of_an_hf_model_are_checked_before_launch(tmp_path):
+    from meshrun.train.preflight import preflight
+
+    plan = {"layers.*.self_attn.q_proj": "colwise", "layers.*.self_attn.o_proj": "rowwise",
+            "layers.*.mlp.gate_proj": "colwise_gather_output"}
+    path = _hf_dir(tmp_path, {**QWEN3, "base_model_tp_plan": plan})
+    tp2 = [f"model.hf={path}", "data.seq_len=32", "parallel.strategy=fsdp", "parallel.dp_replicate=1", "parallel.tp=2"]
+    with pytest.raises(ConfigError, match=r"parallel.sequence_parallel=true is not offered for model.hf="):
+        preflight(load_config(None, [*tp2, "parallel.sequence_parallel=true"]), nproc_per_node="2")
+    with pytest.raises(ConfigError, match=r"\{'mlp.gate_proj': 'colwise_gather_output'\} are not supported"):
+        preflight(load_config(None, tp2), nproc_per_node="2")
+    preflight(load_config(None, tp2[:2]), nproc_per_node="2")  # DDP: the TP plan is not read

@@ -270,6 +270,10 @@ class JobConfig:
                 f"data.seq_len ({data.seq_len}) must be <= model.max_seq_len ({model.max_seq_len}); "
                 "raise model.max_seq_len or set it to 0 (the named size's)"
             )
+        if model.hf:
+            from meshrun.models.hf_config import check_hf_seq_len
+
+            check_hf_seq_len(model.hf, data.seq_len)
 
 
 SECTIONS: dict[str, type[Section]] = {

@@ -24,10 +24,9 @@ from torch import nn
 
 from meshrun.errors import ModelError
 from meshrun.extras import missing_extra_message
-from meshrun.models.hf_config import model_args_from_hf
+from meshrun.models.hf_config import TP_STYLES, layer_tp_plan, model_args_from_hf
 
 # transformers' TP style names (config.base_model_tp_plan) -> how meshrun applies each.
-TP_STYLES = ("colwise", "rowwise", "replicated_with_grad_allreduce")
 
 
 def build_hf_model(path: str, vocab_size: int | None = None, *, seed: int | None = None) -> HFCausalLM:
@@ -174,8 +173,7 @@ class HFCausalLM(nn.Module):
 
         from meshrun.parallel.rules import check_hf_tp
 
-        plan = {k.removeprefix("layers.*."): v for k, v in (getattr(self.config, "base_model_tp_plan", None)
-                                                            or {}).items() if k.startswith("layers.*.")}
+        plan = layer_tp_plan(self.config)
         check_hf_tp(self.hf_dir, sequence_parallel, plan, TP_STYLES)
         styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel,
                   "replicated_with_grad_allreduce": lambda: SequenceParallel(sequence_dim=-2, use_local_output=True)}

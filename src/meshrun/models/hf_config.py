@@ -96,3 +96,32 @@ def model_args_from_hf(path: str, vocab_size: int | None = None) -> ModelArgs:
         rope_theta=float(rope.get("rope_theta") or c.get("rope_theta") or 10000.0),
         norm_eps=float(c.get("rms_norm_eps") or 1e-6),
     )
+
+
+# base_model_tp_plan styles meshrun maps onto torch's parallel styles (models/hf.py builds them).
+TP_STYLES = ("colwise", "rowwise", "replicated_with_grad_allreduce")
+
+
+def layer_tp_plan(config: Any) -> dict[str, str]:
+    """The decoder layer's entries of a config's `base_model_tp_plan`, `layers.*.` cut off
+    (`config` is a transformers config object or config.json's dict)."""
+    plan = (config.get("base_model_tp_plan") if isinstance(config, dict)
+            else getattr(config, "base_model_tp_plan", None)) or {}
+    return {k.removeprefix("layers.*."): v for k, v in plan.items() if k.startswith("layers.*.")}
+
+
+def check_hf_tp_plan(path: str, sequence_parallel: bool) -> dict[str, str]:
+    """model.hf under tp > 1: the rules of parallel/rules.py's check_hf_tp, from config.json alone."""
+    from meshrun.parallel.rules import check_hf_tp
+
+    plan = layer_tp_plan(read_hf_config(path))
+    check_hf_tp(path, sequence_parallel, plan, TP_STYLES)
+    return plan
+
+
+def check_hf_seq_len(path: str, seq_len: int) -> None:
+    """data.seq_len within the model's max_position_embeddings (its RoPE tables and masks end there)."""
+    limit = read_hf_config(path).get("max_position_embeddings")
+    if limit and seq_len > int(limit):
+        raise ConfigError(f"data.seq_len={seq_len} is longer than model.hf={path!r} allows "
+                          f"(max_position_embeddings={int(limit)}); set data.seq_len to {int(limit)} or less")

@@ -95,7 +95,11 @@ def _check_layout(cfg: JobConfig, vocab_size: int, nproc_per_node: str, nnodes: 
         from meshrun.models.from_config import model_args_from_config
 
         model = ModelShape.from_args(model_args_from_config(cfg.model, vocab_size))
-    resolve_layout(options, world, model)
+    layout = resolve_layout(options, world, model)
+    if cfg.model.hf and layout.dims.tp > 1:  # the HF config's TP plan, before any worker builds it
+        from meshrun.models.hf_config import check_hf_tp_plan
+
+        check_hf_tp_plan(cfg.model.hf, options.sequence_parallel)
 
 
 def fixed_world_size(nproc_per_node: str, nnodes: str) -> int | None:
