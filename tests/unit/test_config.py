@@ -94,6 +94,11 @@ def test_every_example_config_loads(path):
 def test_example_configs_cover_tests_to_gpus():
     assert {"tiny.toml", "default.toml", "small.toml", "gpu-1b.toml", "gpu-8b.toml"} <= {p.name for p in EXAMPLES}
     assert load_config(CONFIGS / "default.toml") == JobConfig()
+    # every key, with its doc as the comment above it: regenerate with to_toml(JobConfig(), docs=True)
+    from meshrun.config.dump import HEADER, to_toml
+
+    assert (CONFIGS / "default.toml").read_text().endswith(to_toml(JobConfig(), docs=True)[len(HEADER):]), \
+        "examples/configs/default.toml is out of date: its body is to_toml(JobConfig(), docs=True) after its header"
     tiny = load_config(CONFIGS / "tiny.toml")
     assert tiny.data.seq_len == 32 and tiny.train.steps <= 30 and tiny.model.dim <= 128
     for name in ("gpu-1b.toml", "gpu-8b.toml"):

@@ -173,7 +173,7 @@ class ParallelSection(Section):
     loss_parallel: bool = doc_field(False, "TP: compute the loss on vocabulary-sharded logits, never gathering them (needs tp > 1, pp = 1).")
     fsdp_reshard_after_forward: bool = doc_field(True, "FSDP: free gathered parameters after forward and gather again in backward.")
     fsdp_cpu_offload: bool = doc_field(False, "FSDP: keep sharded parameters, gradients and optimizer state in host memory (for accelerators; no effect on CPU).")
-    param_dtype: str = doc_field("auto", "FSDP compute dtype of parameters: 'auto' = train.dtype, 'fp32' or 'bf16'.")
+    param_dtype: str = doc_field("auto", "FSDP compute dtype of parameters: 'auto' = train.dtype, or 'fp32', 'bf16', 'fp16' (fp16 needs train.dtype 'fp16').")
     reduce_dtype: str = doc_field("fp32", "FSDP dtype of the gradient reduce-scatter: 'fp32' or 'bf16'.")
 
     def validate(self) -> None:
