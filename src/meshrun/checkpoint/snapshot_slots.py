@@ -91,7 +91,8 @@ def param_groups(state) -> list[list[dict]]:
 
 def resolve(state) -> list[tuple[str, str, torch.Tensor]] | None:
     """[(part, key, local tensor)] sharing storage with the live state; None when the fast path cannot hold it."""
-    live = {_local(t).untyped_storage().data_ptr() for t in _live_objects(state)}
+    buffers = [b for part in state.model_parts for b in part.buffers()]
+    live = {_local(t).untyped_storage().data_ptr() for t in [*_live_objects(state), *buffers]}
     if not all(_plain(v) for groups in param_groups(state) for g in groups for v in g.values()):
         return None
     entries = []
