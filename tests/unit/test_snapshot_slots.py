@@ -123,3 +123,18 @@ def test_rendezvous_defaults_only_where_unset_and_only_across_nodes():
         "keep_alive_interval=3,is_host=1,keep_alive_max_attempt=5,last_call_timeout=2"
     assert with_rdzv_defaults("join_timeout=9", backend="c10d", max_nodes=1) == "join_timeout=9"
     assert with_rdzv_defaults(None, backend="static", max_nodes=2) == ""
+
+
+def test_a_restarted_writer_keeps_its_predecessors_older_slots(tmp_path):
+    """Resumed at step 2: the slot of step 2 stays whole until overwritten, one of step 3 (another timeline) does not."""
+    state = _state(0)
+    _step(state)
+    small = {"train": {}, "rng": {"python": [3, [], None]}}
+    first = SlotWriter(tmp_path, resolve(state), {"rank": 0})
+    first.write(2, small)
+    first.write(3, small)
+    again = SlotWriter(tmp_path, resolve(state), {"rank": 0}, step=2)
+    assert again.steps == [2, None] and again.next == 1
+    assert [None if peek_slot(tmp_path / n) is None else peek_slot(tmp_path / n)[0] for n in SLOTS] == [2, None]
+    again.write(3, small)
+    assert again.next == 0 and [peek_slot(tmp_path / n)[0] for n in SLOTS] == [2, 3]

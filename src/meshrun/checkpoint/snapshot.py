@@ -91,6 +91,7 @@ class Snapshots:
         self.peers: PeerCopies | None = None
         self._ready = False  # fast path and peers decided (every rank at its first write)
         self._print: tuple = ()
+        self._resumed = 0  # the step this process started from: older slots stay valid
         events.record(self.run_dir, "checkpointer_ready")
 
     # -- resume --------------------------------------------------------------------------------
@@ -148,6 +149,7 @@ class Snapshots:
         elif disk is not None:
             load_disk(disk)
             source = "disk"
+        self._resumed = state.step
         events.record(self.run_dir, "resumed", source=source, step=state.step, snapshot_step=best,
                       disk=None if disk is None else disk.name,
                       peer_from=fetch[self.env.rank][0] if source == "peer" else None)
@@ -230,7 +232,7 @@ class Snapshots:
         entries = resolve(state) if self.dir is not None else None
         if entries is not None and self._room_for(sum(t.numel() * t.element_size() for _, _, t in entries)):
             try:
-                self.slots = SlotWriter(self.dir, entries, self.meta)
+                self.slots = SlotWriter(self.dir, entries, self.meta, step=self._resumed)
                 self._print = fingerprint(state)
             except OSError as exc:
                 self._stop(exc)

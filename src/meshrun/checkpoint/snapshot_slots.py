@@ -172,27 +172,36 @@ def decode_small(payload: bytes) -> tuple[int, dict]:
 class SlotWriter:
     """This rank's two slot files, mapped once; `write` fills the one not written last."""
 
-    def __init__(self, directory: Path, entries, meta: dict, *, commit_capacity: int = MIN_COMMIT):
+    def __init__(self, directory: Path, entries, meta: dict, *, step: int = 0, commit_capacity: int = MIN_COMMIT):
+        """Slots of this layout already there (a restarted worker's predecessor's) keep their
+        snapshots up to `step`, the one resumed at: a kill at the next write still finds one whole."""
         self.dir, self.sources = Path(directory), [t for _, _, t in entries]
         prefix, self.size, places = slot_layout(entries, meta, commit_capacity)
         self.commit_capacity = commit_capacity
         self.commit_offset = json.loads(prefix[_HEAD:].decode())["commit_offset"]
         self.dir.mkdir(parents=True, exist_ok=True)
         self.maps, self.buffers, self.targets = [], [], []
-        for name in SLOTS:
+        self.steps: list[int | None] = [None, None]
+        for slot, name in enumerate(SLOTS):
             path = self.dir / name
-            path.unlink(missing_ok=True)  # never reuse a file of another layout in place
-            with open(path, "w+b") as fp:
+            peeked = peek_slot(path)
+            kept = peeked is not None and peeked[2] == self.size and path.read_bytes()[:len(prefix)] == prefix
+            if not kept:
+                path.unlink(missing_ok=True)  # never reuse a file of another layout in place
+            with open(path, "r+b" if kept else "w+b") as fp:
                 os.posix_fallocate(fp.fileno(), 0, self.size)  # ENOSPC here, not SIGBUS at a later write
                 mapped = mmap.mmap(fp.fileno(), self.size)
             mapped[:len(prefix)] = prefix
-            buffer = torch.frombuffer(mapped, dtype=torch.uint8)
             self.maps.append(mapped)
+            if kept and peeked[0] <= step:
+                self.steps[slot] = peeked[0]
+            else:  # a newer step than the one resumed at belongs to another timeline
+                mapped[self.commit_offset:self.commit_offset + _COMMIT.size] = bytes(_COMMIT.size)
+            buffer = torch.frombuffer(mapped, dtype=torch.uint8)
             self.buffers.append(buffer)
             self.targets.append([buffer[o:o + n].view(t.dtype).view(t.shape)
                                  for (o, n), t in zip(places, self.sources, strict=True)])
-        self.next = 0
-        self.steps: list[int | None] = [None, None]
+        self.next = min((0, 1), key=lambda i: -1 if self.steps[i] is None else self.steps[i])
 
     def write(self, step: int, small: dict) -> int | None:
         """Copy the live tensors and `small` into the next slot; returns it (None: the record did not fit)."""
