@@ -1,21 +1,24 @@
 """In-memory snapshots: every `checkpoint.snapshot_interval` steps each rank copies its state to /dev/shm.
 
     snaps = Snapshots(cfg.checkpoint, run_dir=run_dir, env=env, layout=layout)
-    source = snaps.resume(state, disk=checkpoint_path, load_disk=...)   # "snapshot", "disk" or None
+    source = snaps.resume(state, disk=checkpoint_path, load_disk=...)   # "snapshot", "peer", "disk" or None
     snaps.step_done(state)                                             # after every optimizer step
+    snaps.finish()                                                     # at the end: the last peer copy
 
 What a snapshot holds is what a disk checkpoint holds (checkpoint/state.py): this rank's model
 and optimizer tensors (a DTensor's local shard), the LR schedule, the data position and the RNG
 states, taken at the same point of the step. They live in the launcher's directory
-(snapshot_area.py, `MESHRUN_SNAPSHOT_DIR`), `rank<k>/step-N.snap`, which outlives the workers:
-a restart on the same host reads memory instead of disk and redoes at most the steps since the
-last snapshot. Each rank keeps its two newest (the ranks are at most one snapshot apart when
-one dies), and a new one is renamed into place only once complete (snapshot_files.py).
+(snapshot_area.py, `MESHRUN_SNAPSHOT_DIR`), which outlives the workers: a restart on the same
+host reads memory instead of disk and redoes at most the steps since the last snapshot. The
+per-step path copies the live tensors into two preallocated slots (snapshot_slots.py); the
+general path (an optimizer with non-tensor state) writes `step-N.snap` files (snapshot_files.py).
+Across nodes each slot is also copied to a peer host's memory (snapshot_peer.py).
 
 On resume, after the process group exists, the ranks agree in one collective on the newest step
-that every rank holds a complete snapshot of, taken by the same world size, layout and config;
-when it is newer than the disk checkpoint it is loaded, else the disk checkpoint as before. The
-idea is Gemini's (Wang et al., SOSP '23): checkpoints in memory, recovery at memory speed.
+at which every rank's state is held on some host, taken by the same world size, layout and
+config; when it is newer than the disk checkpoint it is loaded (a rank whose state is on another
+host receives it first), else the disk checkpoint as before. The idea is Gemini's (Wang et al.,
+SOSP '23): checkpoints in memory, recovery at memory speed, with copies on peer hosts.
 """
 
 from __future__ import annotations
@@ -34,8 +37,7 @@ import torch.distributed as dist
 from meshrun.checkpoint import manifest as mf
 from meshrun.checkpoint.snapshot_area import ENV, fixed_interval
 from meshrun.checkpoint.snapshot_files import (
-    read_header,
-    read_snapshot,
+    newest_files,
     snapshot_name,
     snapshot_step,
     write_snapshot,
@@ -96,31 +98,12 @@ class Snapshots:
 
     # -- resume --------------------------------------------------------------------------------
 
-    def _candidates(self) -> dict[int, tuple]:
-        """step -> (tree) of this rank's complete snapshot_files snapshots that fit this run, newest KEEP only."""
-        if self.dir is None or not self.dir.is_dir():
-            return {}
-        for stale in self.dir.glob(".*.tmp-*"):  # a write its process never finished
-            stale.unlink(missing_ok=True)
-        found = {}
-        for path in sorted(self.dir.iterdir(), reverse=True):
-            step = snapshot_step(path)
-            if step is None or len(found) >= KEEP:
-                continue
-            header = read_header(path)
-            if header is None or header.get("meta") != self.meta or header.get("step") != step:
-                continue
-            loaded = read_snapshot(path)
-            if loaded is not None:
-                found[step] = loaded[1]
-        return found
-
     def resume(self, state: TrainState, *, disk: Path | None, load_disk) -> str | None:
         """Load the newer of the agreed snapshot and `disk` (via `load_disk(path)`); says which.
 
         "snapshot": from this host's memory, "peer": this rank's state came from another host's copy."""
         events.record(self.run_dir, "resume_start")
-        files = self._candidates()
+        files = newest_files(self.dir, self.meta, KEEP)  # the general path's snapshots
         slots = holdings(self.area, self.meta)
         own = set(files) | {step for rank, step, _, _ in slots if rank == self.env.rank}
         every = [(sorted(own), slots)]

@@ -155,3 +155,23 @@ def read_snapshot(path: Path) -> tuple[int, dict, dict] | None:
         return int(header["step"]), decode_tree(header["tree"], tensors), header.get("meta") or {}
     except (OSError, KeyError, TypeError, ValueError, IndexError, RuntimeError):
         return None
+
+
+def newest_files(directory: Path | None, meta: dict, keep: int) -> dict[int, dict]:
+    """step -> tree of the `keep` newest complete snapshot files in `directory` taken with `meta`."""
+    if directory is None or not directory.is_dir():
+        return {}
+    for stale in directory.glob(".*.tmp-*"):  # a write its process never finished
+        stale.unlink(missing_ok=True)
+    found = {}
+    for path in sorted(directory.iterdir(), reverse=True):
+        step = snapshot_step(path)
+        if step is None or len(found) >= keep:
+            continue
+        header = read_header(path)
+        if header is None or header.get("meta") != meta or header.get("step") != step:
+            continue
+        loaded = read_snapshot(path)
+        if loaded is not None:
+            found[step] = loaded[1]
+    return found
