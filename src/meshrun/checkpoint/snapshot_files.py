@@ -48,8 +48,13 @@ def snapshot_step(path: Path) -> int | None:
     return int(digits) if digits.isdigit() and len(digits) == 8 else None
 
 
+_PLAIN = frozenset({type(None), bool, int, float, str})
+
+
 def encode_tree(obj, tensors: list[torch.Tensor]):
     """The JSON form of a state tree; tensors go to `tensors` (a DTensor: this rank's local shard)."""
+    if type(obj) in _PLAIN:  # most leaves: checked first, a snapshot a step encodes this tree each time
+        return obj
     if isinstance(obj, torch.Tensor):
         local = obj.to_local() if isinstance(obj, DTensor) else obj
         tensors.append(local.detach())
@@ -66,7 +71,7 @@ def encode_tree(obj, tensors: list[torch.Tensor]):
 
 
 def _key(key):
-    if isinstance(key, (str, int)) and not isinstance(key, bool):
+    if type(key) is str or isinstance(key, int) and not isinstance(key, bool):
         return key
     raise TypeError(f"a snapshot's dict keys are str or int, not {type(key).__name__}")
 
