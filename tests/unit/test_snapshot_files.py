@@ -10,6 +10,7 @@ import torch
 from meshrun.checkpoint.snapshot import Snapshots
 from meshrun.checkpoint.snapshot_area import ENV, remove_stale, snapshot_area
 from meshrun.checkpoint.snapshot_files import (
+    newest_files,
     read_snapshot,
     snapshot_name,
     snapshot_step,
@@ -69,10 +70,10 @@ def test_a_rank_skips_its_torn_newest_snapshot_for_the_one_before(tmp_path, monk
     newest = tmp_path / "rank0" / snapshot_name(5)
     newest.write_bytes(newest.read_bytes()[:-1])
     (tmp_path / "rank0" / f".{snapshot_name(6)}.tmp-99").write_bytes(b"MRSNAP01")
-    assert sorted(snaps._candidates()) == [4]
+    assert sorted(newest_files(snaps.dir, snaps.meta, 2)) == [4]
     assert not list((tmp_path / "rank0").glob(".*"))  # the dead writer's temp file is gone
     other = Snapshots(Cfg(), run_dir=tmp_path, env=env, layout={"strategy": "fsdp"})  # another layout
-    assert other._candidates() == {}
+    assert newest_files(other.dir, other.meta, 2) == {}
 
 
 def test_launcher_area_is_removed_and_stale_ones_by_dead_pid(tmp_path, monkeypatch):

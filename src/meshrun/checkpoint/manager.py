@@ -150,6 +150,7 @@ class Checkpointer:
         if self.cfg.interval and self._last_saved != state.step:
             self.save(state, blocking=True)
         self._wait()
+        self.snapshots.finish()  # the last peer-host copy (snapshot_peer.py)
         self.close()
 
     def close(self) -> None:

@@ -30,7 +30,7 @@ VERSION = 1
 SUFFIX = ".snap"
 _PREFIX = len(MAGIC) + 12  # MAGIC, u64 header length, u32 header CRC-32
 MAX_HEADER = 64 << 20  # a header larger than this is damage, not a snapshot
-_DTYPES = {str(d).removeprefix("torch."): d for d in (
+DTYPES = {str(d).removeprefix("torch."): d for d in (
     torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
     torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128)}
 
@@ -48,38 +48,43 @@ def snapshot_step(path: Path) -> int | None:
     return int(digits) if digits.isdigit() and len(digits) == 8 else None
 
 
-def _encode(obj, tensors: list[torch.Tensor]):
+_PLAIN = frozenset({type(None), bool, int, float, str})
+
+
+def encode_tree(obj, tensors: list[torch.Tensor]):
     """The JSON form of a state tree; tensors go to `tensors` (a DTensor: this rank's local shard)."""
+    if type(obj) in _PLAIN:  # most leaves: checked first, a snapshot a step encodes this tree each time
+        return obj
     if isinstance(obj, torch.Tensor):
         local = obj.to_local() if isinstance(obj, DTensor) else obj
         tensors.append(local.detach())
         return {"__t__": len(tensors) - 1}
     if isinstance(obj, dict):
-        return {"__d__": [[_key(k), _encode(v, tensors)] for k, v in obj.items()]}
+        return {"__d__": [[_key(k), encode_tree(v, tensors)] for k, v in obj.items()]}
     if isinstance(obj, tuple):
-        return {"__tuple__": [_encode(v, tensors) for v in obj]}
+        return {"__tuple__": [encode_tree(v, tensors) for v in obj]}
     if isinstance(obj, list):
-        return [_encode(v, tensors) for v in obj]
+        return [encode_tree(v, tensors) for v in obj]
     if obj is None or isinstance(obj, (bool, int, float, str)):
         return obj
     raise TypeError(f"a snapshot holds tensors and plain values only, not {type(obj).__name__}")
 
 
 def _key(key):
-    if isinstance(key, (str, int)) and not isinstance(key, bool):
+    if type(key) is str or isinstance(key, int) and not isinstance(key, bool):
         return key
     raise TypeError(f"a snapshot's dict keys are str or int, not {type(key).__name__}")
 
 
-def _decode(obj, tensors: list[torch.Tensor]):
+def decode_tree(obj, tensors: list[torch.Tensor]):
     if isinstance(obj, list):
-        return [_decode(v, tensors) for v in obj]
+        return [decode_tree(v, tensors) for v in obj]
     if isinstance(obj, dict):
         if "__t__" in obj:
             return tensors[obj["__t__"]]
         if "__tuple__" in obj:
-            return tuple(_decode(v, tensors) for v in obj["__tuple__"])
-        return {k: _decode(v, tensors) for k, v in obj["__d__"]}
+            return tuple(decode_tree(v, tensors) for v in obj["__tuple__"])
+        return {k: decode_tree(v, tensors) for k, v in obj["__d__"]}
     return obj
 
 
@@ -91,7 +96,7 @@ def _bytes_of(tensor: torch.Tensor) -> memoryview:
 def write_snapshot(path: Path, *, step: int, tree: dict, meta: dict) -> int:
     """Write `tree` to `path` through a temporary name; returns the bytes written."""
     tensors: list[torch.Tensor] = []
-    encoded = _encode(tree, tensors)
+    encoded = encode_tree(tree, tensors)
     views = [_bytes_of(t.cpu()) for t in tensors]
     specs, offset = [], 0
     for tensor, view in zip(tensors, views, strict=True):
@@ -151,7 +156,27 @@ def read_snapshot(path: Path) -> tuple[int, dict, dict] | None:
             if offset < 0 or nbytes < 0 or offset + nbytes > len(data):
                 return None
             raw = buffer[offset:offset + nbytes]
-            tensors.append(raw.clone().view(_DTYPES[dtype]).reshape(shape))  # clone: aligned, owned
-        return int(header["step"]), _decode(header["tree"], tensors), header.get("meta") or {}
+            tensors.append(raw.clone().view(DTYPES[dtype]).reshape(shape))  # clone: aligned, owned
+        return int(header["step"]), decode_tree(header["tree"], tensors), header.get("meta") or {}
     except (OSError, KeyError, TypeError, ValueError, IndexError, RuntimeError):
         return None
+
+
+def newest_files(directory: Path | None, meta: dict, keep: int) -> dict[int, dict]:
+    """step -> tree of the `keep` newest complete snapshot files in `directory` taken with `meta`."""
+    if directory is None or not directory.is_dir():
+        return {}
+    for stale in directory.glob(".*.tmp-*"):  # a write its process never finished
+        stale.unlink(missing_ok=True)
+    found = {}
+    for path in sorted(directory.iterdir(), reverse=True):
+        step = snapshot_step(path)
+        if step is None or len(found) >= keep:
+            continue
+        header = read_header(path)
+        if header is None or header.get("meta") != meta or header.get("step") != step:
+            continue
+        loaded = read_snapshot(path)
+        if loaded is not None:
+            found[step] = loaded[1]
+    return found

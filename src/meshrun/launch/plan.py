@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 
 from meshrun.debug.settings import apply_launch_args
 from meshrun.launch.args import parse_nnodes, resolve_nproc_per_node
+from meshrun.launch.rdzv_defaults import with_rdzv_defaults
 
 if TYPE_CHECKING:
     from meshrun.launch.network import NodeNetwork
@@ -120,6 +121,8 @@ def plan_launch(args: argparse.Namespace, environ: Mapping[str, str] | None = No
         if network.local_addr and not options.local_addr:
             options.local_addr = network.local_addr
         env.update(worker_socket_env(network, environ))
+    options.rdzv_conf = with_rdzv_defaults(options.rdzv_conf, backend=options.rdzv_backend,  # host loss in seconds
+                                           max_nodes=parse_nnodes(options.nnodes)[1])
     if options.tee == "0" and options.redirects == "0":
         options.tee = "3"
     if options.rank0_only and not options.local_ranks_filter:
