@@ -244,7 +244,7 @@ def main(argv: list[str]) -> int:
         if is_torchft(cfg):  # replica groups under torchft's lighthouse (meshrun.fault.launch)
             from meshrun.fault.launch import run_replica_groups
 
-            return run_replica_groups(cfg, plan, run_dir, start.resume)
+            return run_replica_groups(cfg, plan, run_dir)
         from meshrun.checkpoint.preemption import preempted_exit_code
         from meshrun.checkpoint.snapshot_area import fixed_interval, snapshot_area
         from meshrun.launch.torch_elastic import SignalException

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -44,14 +45,17 @@ def group_dir(run_dir: Path, group: int) -> Path:
     return run_dir if group == 0 else run_dir / GROUP_DIR.format(group=group)
 
 
-def _group_command(cfg: JobConfig, plan, run_dir: Path, group: int, resume: str) -> list[str]:
+def _group_command(cfg: JobConfig, plan, run_dir: Path, group: int) -> list[str]:
+    """`meshrun launch` of one group's workers: the worker arguments `meshrun train` chose, in its directory."""
     log_dir = Path(plan.log_dir or run_dir / "logs") / GROUP_DIR.format(group=group)
+    worker_args = list(plan.options.training_script_args)  # --run-dir RUN_DIR --resume ... [--profile ...]
+    worker_args[worker_args.index("--run-dir") + 1] = str(group_dir(run_dir, group))
     return [sys.executable, "-m", "meshrun", "launch", "--nproc-per-node", str(cfg.fault.group_size),
             "--max-restarts", str(plan.options.max_restarts), "--log-dir", str(log_dir),
-            "-m", "meshrun.train.worker", "--run-dir", str(group_dir(run_dir, group)), "--resume", resume]
+            "-m", "meshrun.train.worker", *worker_args]
 
 
-def run_replica_groups(cfg: JobConfig, plan, run_dir: Path, resume: str) -> int:
+def run_replica_groups(cfg: JobConfig, plan, run_dir: Path) -> int:
     """Run every replica group to its end under one lighthouse; the job's exit code."""
     coordination = import_extra("torchft.coordination", "fault.mode = 'torchft'", error=ConfigError)
     fault = cfg.fault
@@ -62,10 +66,19 @@ def run_replica_groups(cfg: JobConfig, plan, run_dir: Path, resume: str) -> int:
         quorum_tick_ms=QUORUM_TICK_MS, heartbeat_timeout_ms=fault.heartbeat_timeout_ms)
     print(f"meshrun train: torchft: {fault.replica_groups} replica groups x {fault.group_size} process(es), "
           f"lighthouse {lighthouse.address()}", file=sys.stderr)
-    env = {**os.environ, NUM_GROUPS_ENV: str(fault.replica_groups), LIGHTHOUSE_ENV: lighthouse.address(),
+    env = {"RUST_LOG": "warn", **os.environ, NUM_GROUPS_ENV: str(fault.replica_groups), LIGHTHOUSE_ENV: lighthouse.address(),
            RECORDS_ENV: str(records)}
     children: list[subprocess.Popen] = []
     started = time.time()
+    stopped_by: list[int] = []
+
+    def forward(signum, _frame) -> None:  # SIGTERM: every group's agent stops its workers, which save
+        stopped_by.append(signum)
+        for child in children:
+            if child.poll() is None:
+                child.send_signal(signum)
+
+    previous = signal.signal(signal.SIGTERM, forward)
     try:
         for group in range(fault.replica_groups):
             gdir = group_dir(run_dir, group)
@@ -73,17 +86,20 @@ def run_replica_groups(cfg: JobConfig, plan, run_dir: Path, resume: str) -> int:
                 gdir.mkdir(exist_ok=True)
                 shutil.copyfile(run_dir / CONFIG_FILE, gdir / CONFIG_FILE)
             out = None if group == 0 else open(records / f"launch-g{group}.out", "ab")  # noqa: SIM115
-            children.append(subprocess.Popen(_group_command(cfg, plan, run_dir, group, resume),
+            children.append(subprocess.Popen(_group_command(cfg, plan, run_dir, group),
                                              env={**env, GROUP_ENV: str(group)}, stdout=out,
                                              stderr=subprocess.STDOUT if out else None))
         codes = [child.wait() for child in children]
     finally:
+        signal.signal(signal.SIGTERM, previous)
         _stop(children)
         lighthouse.shutdown()
     summary = summarize(records, fault.replica_groups, codes, seconds=time.time() - started)
     (records / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     for line in summary["lines"]:
         print(f"meshrun train: torchft: {line}", file=sys.stderr)
+    if stopped_by:
+        return 128 + stopped_by[0]
     return next((code for code in codes if code), 0)
 
 
@@ -121,4 +137,5 @@ def summarize(records: Path, num_groups: int, codes: list[int], *, seconds: floa
     lines.append(ledger.describe(acc))
     return {"seconds": round(seconds, 2), "groups": groups, "steps": acc.steps, "samples": acc.samples,
             "exact": acc.exact, "gaps": acc.gaps, "overlaps": acc.overlaps, "superseded": acc.superseded,
+            "weights_compared": acc.weights_compared, "weights_differ": acc.weights_differ,
             "lines": lines}

@@ -74,6 +74,8 @@ class Accounting:
     superseded: int = 0  # rows of a step replaced by a later commit of it
     by_group: dict[int, int] = field(default_factory=dict)  # group -> steps it committed
     alone: dict[int, int] = field(default_factory=dict)  # group -> steps committed with a smaller quorum
+    weights_compared: int = 0  # steps two or more groups fingerprinted (after a quorum change or heal)
+    weights_differ: list[int] = field(default_factory=list)  # ... whose fingerprints differed
 
     @property
     def exact(self) -> bool:
@@ -100,6 +102,13 @@ def account(rows: list[dict], num_groups: int | None = None) -> Accounting:
             result.superseded += 1
         last[row["step"]] = row
     result.steps = len(last)
+    sums: dict[int, set[float]] = {}
+    for row in rows:
+        if "weights_sum" in row:
+            sums.setdefault(row["step"], set()).add(row["weights_sum"])
+    fingerprinted = [step for step in sums if sum(1 for r in rows if r["step"] == step and "weights_sum" in r) > 1]
+    result.weights_compared = len(fingerprinted)
+    result.weights_differ = sorted(step for step in fingerprinted if len(sums[step]) > 1)
     spans: dict[int, list[tuple[int, int]]] = {}
     for row in last.values():
         for epoch, start, end in _pieces(row):
@@ -120,11 +129,14 @@ def account(rows: list[dict], num_groups: int | None = None) -> Accounting:
 def describe(acc: Accounting) -> str:
     """One line for the end summary."""
     where = ", ".join(f"epoch {e}: positions 0-{end}" for e, end in sorted(acc.covered.items()))
+    weights = (f"; weights equal across groups at {acc.weights_compared} checked step(s)" if not acc.weights_differ
+               else f"; weights DIFFER across groups at steps {acc.weights_differ}")
     if acc.exact:
-        return f"data: {acc.steps} committed steps consumed {acc.samples} samples, each exactly once ({where})"
+        return (f"data: {acc.steps} committed steps consumed {acc.samples} samples, each exactly once ({where})"
+                + weights)
     parts = []
     if acc.gaps:
         parts.append("never committed (lost): " + ", ".join(f"epoch {e} [{a}, {b})" for e, a, b in acc.gaps))
     if acc.overlaps:
         parts.append("committed twice: " + ", ".join(f"epoch {e} [{a}, {b})" for e, a, b in acc.overlaps))
-    return f"data: {acc.steps} committed steps; " + "; ".join(parts)
+    return f"data: {acc.steps} committed steps; " + "; ".join(parts) + weights

@@ -154,6 +154,7 @@ class Replica:
         self.heals = self.commits = self.retries = self.quorums = 0
         self._healed_from: int | None = None
         self._quorum_size = None
+        self._fingerprint_next = True  # the first commit after a quorum change records the weights' sum
         if self.writer:
             self.records.mkdir(parents=True, exist_ok=True)
             ledger.record_event(self.records, "start", group=self.group, step=state.step)
@@ -220,6 +221,7 @@ class Replica:
         self._resplit(state.train_loader, size * self.group_size, rank * self.group_size + self.local_rank)
         if size != self._quorum_size or healed is not None:
             self.quorums += 1
+            self._fingerprint_next = True
             self._quorum_size = size
             if metrics is not None:
                 metrics.log_meta(event="torchft_quorum", step=state.step + 1, group=self.group, quorum_size=size,
@@ -238,7 +240,16 @@ class Replica:
     def _write_row(self, step: int, before: dict, after: dict) -> None:
         if not self.writer:
             return
-        ledger.append_row(ledger.ledger_path(self.records, self.group), {
-            "step": step, "group": self.group, "pid": os.getpid(), "time": round(time.time(), 4),
-            "participants": self.manager.num_participants(), "epoch0": before["epoch"], "pos0": before["consumed"],
-            "epoch1": after["epoch"], "pos1": after["consumed"], "epoch_end": before["num_samples"]})
+        row = {"step": step, "group": self.group, "pid": os.getpid(), "time": round(time.time(), 4),
+               "participants": self.manager.num_participants(), "epoch0": before["epoch"], "pos0": before["consumed"],
+               "epoch1": after["epoch"], "pos1": after["consumed"], "epoch_end": before["num_samples"]}
+        if self._fingerprint_next:  # groups in one quorum hold equal weights: the rows of a step must agree
+            self._fingerprint_next = False
+            row["weights_sum"] = weights_sum(self.module)
+        ledger.append_row(ledger.ledger_path(self.records, self.group), row)
+
+
+@torch.no_grad()
+def weights_sum(module: nn.Module) -> float:
+    """A fingerprint of the weights: the float64 sum of every parameter and buffer."""
+    return float(sum(t.detach().double().sum() for t in module.state_dict().values() if t.is_floating_point()))
