@@ -95,6 +95,12 @@ def test_killed_group_heals_from_survivor_without_stopping_it(tmp_path):
     assert after[0]["step"] in joint, "the survivor did not commit the healed group's first step with it"
     assert after[0]["weights_sum"] == joint[after[0]["step"]]["weights_sum"], "the healed weights differ from the peer's"
 
+    after_kill = [r["time"] for r in rows0 if r["time"] > killed_at]
+    stall = max(b - a for a, b in zip([killed_at, *after_kill], after_kill, strict=False))
+    print(f"\ntorchft heal: SIGKILL -> heal {heal['time'] - killed_at:.2f} s (the heal itself {heal['seconds']:.2f} s), "
+          f"-> first joint commit {after[0]['time'] - killed_at:.2f} s; the survivor's longest pause {stall:.2f} s, "
+          f"{len(alone)} steps committed alone")
+
     # The summary and the metrics say so; the data ledger shows every sample consumed once.
     summary = json.loads((records / "summary.json").read_text())
     assert summary["exact"] and not summary["gaps"] and not summary["overlaps"], summary["lines"]
