@@ -57,6 +57,8 @@ def _group_command(cfg: JobConfig, plan, run_dir: Path, group: int) -> list[str]
 
 def run_replica_groups(cfg: JobConfig, plan, run_dir: Path) -> int:
     """Run every replica group to its end under one lighthouse; the job's exit code."""
+    # torchft's Rust servers log every quorum at INFO; warnings and errors only, unless RUST_LOG says.
+    os.environ.setdefault("RUST_LOG", "warn")  # this process is the launcher: it ends with the job
     coordination = import_extra("torchft.coordination", "fault.mode = 'torchft'", error=ConfigError)
     fault = cfg.fault
     records = run_dir / RECORDS_DIR
@@ -70,7 +72,7 @@ def run_replica_groups(cfg: JobConfig, plan, run_dir: Path) -> int:
     # A group of one process gets no such default from its own agent, and threads that outnumber
     # the cores make every matmul wait (a tiny model's step went from 0.1 s to 1.7 s here).
     threads = {"OMP_NUM_THREADS": "1"} if fault.replica_groups * fault.group_size > 1 else {}
-    env = {"RUST_LOG": "warn", **threads, **os.environ, NUM_GROUPS_ENV: str(fault.replica_groups), LIGHTHOUSE_ENV: lighthouse.address(),
+    env = {**threads, **os.environ, NUM_GROUPS_ENV: str(fault.replica_groups), LIGHTHOUSE_ENV: lighthouse.address(),
            RECORDS_ENV: str(records)}
     children: list[subprocess.Popen] = []
     started = time.time()
