@@ -36,7 +36,7 @@ bench: $(STAMP)
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --disable-pip-version-check "$(TORCH_SPEC)"
-	$(BIN)/pip install --quiet --disable-pip-version-check -e '.[dev,report,hf,trackers]'
+	$(BIN)/pip install --quiet --disable-pip-version-check -e '.[dev,report,hf,trackers,torchft]'
 	@touch $@
 
 clean:

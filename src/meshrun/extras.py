@@ -14,7 +14,8 @@ HF_EXTRA = "meshrun[hf]"
 # The extra that provides each optional top-level package.
 EXTRA_OF = {"pyarrow": HF_EXTRA, "datasets": HF_EXTRA, "tokenizers": HF_EXTRA, "transformers": HF_EXTRA,
             "safetensors": HF_EXTRA, "tensorboard": "meshrun[tensorboard]", "mlflow": "meshrun[mlflow]",
-            "wandb": "meshrun[wandb]", "trackio": "meshrun[trackio]"}
+            "wandb": "meshrun[wandb]", "trackio": "meshrun[trackio]",
+            "torchft": "meshrun[torchft]"}
 
 
 def missing_extra_message(module: str, purpose: str) -> str:

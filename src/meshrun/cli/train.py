@@ -21,6 +21,7 @@ from pathlib import Path
 from meshrun.config import JobConfig, load_config, save_config, set_hint
 from meshrun.config.validate import check_job
 from meshrun.errors import ConfigError, LaunchError
+from meshrun.fault.settings import check_fault, is_torchft
 from meshrun.launch.args import build_parser as build_launch_parser
 from meshrun.launch.args import parse_nnodes
 from meshrun.launch.plan import checked_options, plan_launch
@@ -200,6 +201,7 @@ def check_train_args(argv: list[str]) -> tuple[argparse.Namespace, JobConfig, ar
     except LaunchError as exc:
         raise _name_config_key(exc, from_config) from None
     check_job(cfg, nproc_per_node=options.nproc_per_node, nnodes=options.nnodes)
+    check_fault(cfg, nnodes=options.nnodes)  # [fault] mode = "torchft": its rules and extra
     return args, cfg, launch_args, options
 
 
@@ -239,6 +241,10 @@ def main(argv: list[str]) -> int:
                              script_args=["--run-dir", str(run_dir), "--resume", start.resume]
                              + (["--profile", args.profile] if args.profile else []))
         print(f"meshrun train: run directory {run_dir}", file=sys.stderr)
+        if is_torchft(cfg):  # replica groups under torchft's lighthouse (meshrun.fault.launch)
+            from meshrun.fault.launch import run_replica_groups
+
+            return run_replica_groups(cfg, plan, run_dir)
         from meshrun.checkpoint.preemption import preempted_exit_code
         from meshrun.checkpoint.snapshot_area import fixed_interval, snapshot_area
         from meshrun.launch.torch_elastic import SignalException

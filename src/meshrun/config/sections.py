@@ -10,6 +10,7 @@ import re
 from dataclasses import dataclass, field, fields
 
 from meshrun.config.base import Section, doc_field, fmt
+from meshrun.config.fault_section import FaultSection
 from meshrun.config.trackers import check_tracker_names, tracker_names
 from meshrun.errors import ConfigError
 from meshrun.parallel.resolve import DTYPE_NAMES, ParallelOptions, check_options
@@ -257,6 +258,7 @@ class JobConfig:
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection, metadata={"doc": CheckpointSection.__doc__})
     metrics: MetricsSection = field(default_factory=MetricsSection, metadata={"doc": MetricsSection.__doc__})
     launch: LaunchSection = field(default_factory=LaunchSection, metadata={"doc": LaunchSection.__doc__})
+    fault: FaultSection = field(default_factory=FaultSection, metadata={"doc": FaultSection.__doc__})
 
     def __post_init__(self) -> None:
         for name, cls in SECTIONS.items():
@@ -285,5 +287,6 @@ SECTIONS: dict[str, type[Section]] = {
     "checkpoint": CheckpointSection,
     "metrics": MetricsSection,
     "launch": LaunchSection,
+    "fault": FaultSection,
 }
 assert list(SECTIONS) == [f.name for f in fields(JobConfig)], "SECTIONS must list JobConfig's fields in order"

@@ -22,6 +22,7 @@ from meshrun.checkpoint.state import TrainState
 from meshrun.config import JobConfig, as_dict
 from meshrun.data.loader import build_loaders
 from meshrun.data.tokenizer import load_tokenizer
+from meshrun.fault.replica import attach as attach_fault
 from meshrun.metrics.logger import MetricsLogger
 from meshrun.metrics.progress import ProgressBar
 from meshrun.metrics.system import (
@@ -77,12 +78,14 @@ class _Run:
     memory: MemoryMarks
     losses: list[tuple[int, float]] = field(default_factory=list)
     eval_losses: list[tuple[int, float]] = field(default_factory=list)
+    fault: object | None = None  # [fault] mode's steps: meshrun.fault.replica (exact or torchft)
 
 
 def train(cfg: JobConfig, env: DistEnv, run_dir: Path, profile: StepRange | None = None) -> TrainResult:
     """Train as `cfg` says on the current world; rank 0 writes metrics and the final weights."""
     run = _setup(cfg, env, run_dir)
     with run.checkpointer:  # its SIGTERM/SIGINT handlers are put back on every way out
+        run.fault = attach_fault(cfg, env, run.layout, run.state)  # torchft: wraps model and optimizer
         return _loop(run, cfg, env, run_dir, StepProfiler(profile, run_dir, env.rank))
 
 
@@ -108,7 +111,7 @@ def _loop(run: _Run, cfg: JobConfig, env: DistEnv, run_dir: Path, profiler: Step
     layout.train()
     if state.step == 0:  # a resumed run has its step-0 eval already
         _evaluate(run, cfg, 0, metrics, progress)
-    for step in range(state.step + 1, tcfg.steps + 1):
+    for step in run.fault.steps(state, tcfg.steps, metrics):  # exact: range(state.step + 1, steps + 1)
         profiler.at(step)  # --profile: ends the previous step's span, starts this one's
         timer.start()
         log_now = step % cfg.metrics.interval == 0 or step == tcfg.steps

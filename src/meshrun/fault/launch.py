@@ -1,0 +1,147 @@
+"""`meshrun train` in torchft mode: the lighthouse here, one elastic agent per replica group.
+
+    meshrun train --set fault.mode=torchft --set fault.replica_groups=2 --max-restarts 3
+
+This process hosts torchft's lighthouse (`LighthouseServer`, its Rust quorum server, in a thread
+of ours) and starts each replica group as its own `meshrun launch` child: its own torchrun agent,
+rendezvous and store, `fault.group_size` workers, and `--max-restarts` restarts of its own. A
+group whose worker dies is stopped and restarted by its agent while the other groups keep
+stepping; the restarted workers heal from a peer (replica.py). Group 0 trains in the run
+directory, group g > 0 in `<run dir>/replica-g/`; their records go to `<run dir>/torchft/`, and
+the end summary (heals, restarts, steps each group committed, the data ledger's check) is
+printed and written to `<run dir>/torchft/summary.json`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from meshrun.config import JobConfig
+from meshrun.errors import ConfigError
+from meshrun.extras import import_extra
+from meshrun.fault import ledger
+from meshrun.fault.settings import (
+    GROUP_DIR,
+    GROUP_ENV,
+    LIGHTHOUSE_ENV,
+    NUM_GROUPS_ENV,
+    RECORDS_DIR,
+    RECORDS_ENV,
+)
+
+CONFIG_FILE = "config.toml"  # as meshrun.train.worker reads it
+QUORUM_TICK_MS = 10  # how often the lighthouse re-checks a pending quorum
+STOP_GRACE_S = 30.0  # after SIGTERM, how long a group's agent gets to stop its workers
+
+
+def group_dir(run_dir: Path, group: int) -> Path:
+    return run_dir if group == 0 else run_dir / GROUP_DIR.format(group=group)
+
+
+def _group_command(cfg: JobConfig, plan, run_dir: Path, group: int) -> list[str]:
+    """`meshrun launch` of one group's workers: the worker arguments `meshrun train` chose, in its directory."""
+    log_dir = Path(plan.log_dir or run_dir / "logs") / GROUP_DIR.format(group=group)
+    worker_args = list(plan.options.training_script_args)  # --run-dir RUN_DIR --resume ... [--profile ...]
+    worker_args[worker_args.index("--run-dir") + 1] = str(group_dir(run_dir, group))
+    return [sys.executable, "-m", "meshrun", "launch", "--nproc-per-node", str(cfg.fault.group_size),
+            "--max-restarts", str(plan.options.max_restarts), "--log-dir", str(log_dir),
+            "-m", "meshrun.train.worker", *worker_args]
+
+
+def run_replica_groups(cfg: JobConfig, plan, run_dir: Path) -> int:
+    """Run every replica group to its end under one lighthouse; the job's exit code."""
+    # torchft's Rust servers log every quorum at INFO; warnings and errors only, unless RUST_LOG says.
+    os.environ.setdefault("RUST_LOG", "warn")  # this process is the launcher: it ends with the job
+    coordination = import_extra("torchft.coordination", "fault.mode = 'torchft'", error=ConfigError)
+    fault = cfg.fault
+    records = run_dir / RECORDS_DIR
+    records.mkdir(exist_ok=True)
+    lighthouse = coordination.LighthouseServer(
+        bind="[::]:0", min_replicas=fault.min_replicas, join_timeout_ms=fault.join_timeout_ms,
+        quorum_tick_ms=QUORUM_TICK_MS, heartbeat_timeout_ms=fault.heartbeat_timeout_ms)
+    print(f"meshrun train: torchft: {fault.replica_groups} replica groups x {fault.group_size} process(es), "
+          f"lighthouse {lighthouse.address()}", file=sys.stderr)
+    # As torchrun does for several processes: one intra-op thread each, unless the user said otherwise.
+    # A group of one process gets no such default from its own agent, and threads that outnumber
+    # the cores make every matmul wait (a tiny model's step went from 0.1 s to 1.7 s here).
+    threads = {"OMP_NUM_THREADS": "1"} if fault.replica_groups * fault.group_size > 1 else {}
+    env = {**threads, **os.environ, NUM_GROUPS_ENV: str(fault.replica_groups), LIGHTHOUSE_ENV: lighthouse.address(),
+           RECORDS_ENV: str(records)}
+    children: list[subprocess.Popen] = []
+    started = time.time()
+    stopped_by: list[int] = []
+
+    def forward(signum, _frame) -> None:  # SIGTERM: every group's agent stops its workers, which save
+        stopped_by.append(signum)
+        for child in children:
+            if child.poll() is None:
+                child.send_signal(signum)
+
+    previous = signal.signal(signal.SIGTERM, forward)
+    try:
+        for group in range(fault.replica_groups):
+            gdir = group_dir(run_dir, group)
+            if group:
+                gdir.mkdir(exist_ok=True)
+                shutil.copyfile(run_dir / CONFIG_FILE, gdir / CONFIG_FILE)
+            out = None if group == 0 else open(records / f"launch-g{group}.out", "ab")  # noqa: SIM115
+            children.append(subprocess.Popen(_group_command(cfg, plan, run_dir, group),
+                                             env={**env, GROUP_ENV: str(group)}, stdout=out,
+                                             stderr=subprocess.STDOUT if out else None))
+        codes = [child.wait() for child in children]
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        _stop(children)
+        lighthouse.shutdown()
+    summary = summarize(records, fault.replica_groups, codes, seconds=time.time() - started)
+    (records / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+    for line in summary["lines"]:
+        print(f"meshrun train: torchft: {line}", file=sys.stderr)
+    if stopped_by:
+        return 128 + stopped_by[0]
+    return next((code for code in codes if code), 0)
+
+
+def _stop(children: list[subprocess.Popen]) -> None:
+    """Stop the groups still running (the launcher was interrupted): SIGTERM, then SIGKILL."""
+    for child in children:
+        if child.poll() is None:
+            child.terminate()
+    deadline = time.monotonic() + STOP_GRACE_S
+    for child in children:
+        try:
+            child.wait(timeout=max(deadline - time.monotonic(), 0.1))
+        except subprocess.TimeoutExpired:
+            child.kill()
+            child.wait()
+
+
+def summarize(records: Path, num_groups: int, codes: list[int], *, seconds: float) -> dict:
+    """What the run's records say: per group its starts, heals and commits; the data check."""
+    events = ledger.read_events(records)
+    acc = ledger.account(ledger.read_ledgers(records), num_groups)
+    groups, lines = [], []
+    for group in range(num_groups):
+        mine = [e for e in events if e.get("group") == group]
+        pids = sorted({e["pid"] for e in mine if e["event"] == "start"})
+        heals = [e for e in mine if e["event"] == "heal"]
+        groups.append({"group": group, "exit_code": codes[group], "starts": len(pids), "pids": pids,
+                       "heals": [{k: e[k] for k in ("time", "from_step", "to_step", "seconds")} for e in heals],
+                       "committed_steps": acc.by_group.get(group, 0),
+                       "steps_with_fewer_groups": acc.alone.get(group, 0)})
+        heal_text = ", ".join(f"step {h['from_step']} -> {h['to_step']} in {h['seconds']:.2f} s" for h in heals)
+        lines.append(f"group {group}: exit {codes[group]}, {max(len(pids) - 1, 0)} restart(s), "
+                     f"{len(heals)} heal(s){' (' + heal_text + ')' if heals else ''}, "
+                     f"{acc.by_group.get(group, 0)} steps committed ({acc.alone.get(group, 0)} with fewer groups)")
+    lines.append(ledger.describe(acc))
+    return {"seconds": round(seconds, 2), "groups": groups, "steps": acc.steps, "samples": acc.samples,
+            "exact": acc.exact, "gaps": acc.gaps, "overlaps": acc.overlaps, "superseded": acc.superseded,
+            "weights_compared": acc.weights_compared, "weights_differ": acc.weights_differ,
+            "lines": lines}

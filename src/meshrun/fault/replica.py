@@ -1,0 +1,255 @@
+"""A worker of one replica group under torchft's Manager: the trainer's hook in torchft mode.
+
+    steps = attach(cfg, env, layout, state, metrics=None)   # train/trainer.py, after the resume
+    for step in steps.steps(state, cfg.train.steps, metrics): ...
+
+In exact mode `attach` returns `ExactSteps`, whose `steps` is the trainer's plain range. In torchft
+mode (meshrun.fault.launch started this group with REPLICA_GROUP_ID, NUM_REPLICA_GROUPS and
+TORCHFT_LIGHTHOUSE) it returns a `Replica`, which before each step:
+
+1. forms a quorum with the other groups (synchronously: `use_async_quorum=False`, so a heal is
+   applied between steps, on this thread, never under a running step);
+2. heals when this group is behind: the peer's model, optimizer, LR schedule, data position and
+   step, over torchft's HTTP transport, read back weights-only (never a full unpickle);
+3. re-splits the data among the groups in the quorum: the sampler's position is global
+   (meshrun.data.sampler), so a step with fewer groups takes the next samples among fewer ranks
+   and nothing a missing group would have read is skipped;
+
+and after it: a step the groups did not commit (torchft's `should_commit` said no, e.g. a peer
+died mid all-reduce) is rolled back (data position, LR schedule, step) and run again; a
+committed one is written to the ledger (ledger.py). Gradients are averaged within the group
+(the default process group) and then across the groups (torchft's reconfigurable gloo group,
+through its DDP comm hook).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from meshrun.fault import ledger
+from meshrun.fault.settings import (
+    GROUP_ENV,
+    LIGHTHOUSE_ENV,
+    NUM_GROUPS_ENV,
+    RECORDS_ENV,
+    is_torchft,
+)
+
+logger = logging.getLogger(__name__)
+
+
+class ExactSteps:
+    """Exact mode: the steps are the trainer's range, nothing else happens."""
+
+    def steps(self, state, total: int, metrics=None):
+        return range(state.step + 1, total + 1)
+
+
+def attach(cfg, env, layout, state):
+    """ExactSteps, or this worker's Replica in torchft mode (wraps the model and optimizer in place)."""
+    if not is_torchft(cfg):
+        return ExactSteps()
+    return Replica(cfg.fault, env, layout, state)
+
+
+class CommitOptimizer(torch.optim.Optimizer):
+    """Steps the optimizer only when every group in the quorum agrees to commit this step."""
+
+    def __init__(self, manager, optimizer: torch.optim.Optimizer):  # no super().__init__: a wrapper, as torchft.optim
+        self.manager, self.inner, self.committed = manager, optimizer, False
+        self.optimizers = getattr(optimizer, "optimizers", [optimizer])  # what checkpoints save (state.py)
+
+    @property
+    def param_groups(self):
+        return self.inner.param_groups
+
+    @property
+    def state(self):
+        return self.inner.state
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.inner.zero_grad(set_to_none)
+
+    def step(self, closure=None) -> None:
+        assert closure is None, "closures are not supported under torchft"
+        self.committed = self.manager.should_commit()
+        if self.committed:
+            self.inner.step()
+
+    def state_dict(self):
+        return self.inner.state_dict()
+
+    def load_state_dict(self, state_dict) -> None:
+        self.inner.load_state_dict(state_dict)
+
+
+def _group_ddp(manager, module: nn.Module, group_world: int) -> nn.Module:
+    """torchft's DDP (gradients averaged across groups in its comm hook), averaging within the
+    group first when the group has several processes."""
+    from torchft.ddp import DistributedDataParallel
+
+    class GroupDDP(DistributedDataParallel):
+        @staticmethod
+        def _comm_hook(state, bucket):
+            if group_world > 1:
+                dist.all_reduce(bucket.buffer())  # the group's default process group, synchronous
+                bucket.buffer().div_(group_world)
+            return DistributedDataParallel._comm_hook(state, bucket)
+
+    return GroupDDP(manager, module)
+
+
+def _weights_only_transport(timeout: timedelta):
+    """torchft's HTTP checkpoint transport, reading a peer's state weights-only: the peer's bytes
+    are data, never code (torchft's own reader unpickles them fully)."""
+    import urllib.request
+
+    from torch.distributed._serialization import _streaming_load
+    from torchft.checkpointing.http_transport import HTTPTransport
+
+    class WeightsOnlyHTTPTransport(HTTPTransport):
+        @classmethod
+        def _load_from_address(cls, address: str, timeout: timedelta) -> object:
+            with urllib.request.urlopen(address, timeout=timeout.total_seconds()) as f:
+                return _streaming_load(f, weights_only=True)
+
+    return WeightsOnlyHTTPTransport(timeout=timeout, num_chunks=0)
+
+
+class Replica:
+    """This worker's Manager, and the steps of a torchft run (see the module doc)."""
+
+    def __init__(self, fault, env, layout, state):
+        from torchft import Manager, ProcessGroupGloo
+
+        self.group = int(os.environ[GROUP_ENV])
+        self.num_groups = int(os.environ[NUM_GROUPS_ENV])
+        self.records = Path(os.environ[RECORDS_ENV])
+        self.writer = env.rank == 0  # the group's local rank 0 writes its ledger and events
+        self.group_size, self.local_rank = env.world_size, env.rank
+        timeout = timedelta(seconds=fault.timeout_s)
+        self.manager = Manager(
+            pg=ProcessGroupGloo(timeout=timeout), load_state_dict=None, state_dict=None,
+            min_replica_size=fault.min_replicas, use_async_quorum=False, timeout=timeout,
+            quorum_timeout=timedelta(seconds=fault.quorum_timeout_s), connect_timeout=timeout,
+            rank=env.rank, world_size=env.world_size, replica_id=f"meshrun_{self.group}",
+            lighthouse_addr=os.environ[LIGHTHOUSE_ENV], init_sync=False,  # every group seeds alike
+            checkpoint_transport=_weights_only_transport(timeout))
+        self.manager.load_state_dict({"step": state.step, "batches_committed": 0})
+        self.manager.register_state_dict_fn("meshrun", self._load_state, self._state)
+        part = layout.parts[0]
+        self.module = part.module if isinstance(part, nn.parallel.DistributedDataParallel) else part
+        layout.parts[0] = _group_ddp(self.manager, self.module, env.world_size)
+        self.optimizer = CommitOptimizer(self.manager, state.optimizers[0])
+        state.optimizers[0] = self.optimizer
+        self.state = state
+        self.heals = self.commits = self.retries = self.quorums = 0
+        self._healed_from: int | None = None
+        self._quorum_size = None
+        self._fingerprint_next = True  # the first commit after a quorum change records the weights' sum
+        if self.writer:
+            self.records.mkdir(parents=True, exist_ok=True)
+            ledger.record_event(self.records, "start", group=self.group, step=state.step)
+
+    # -- the state a recovering peer receives ------------------------------------------------
+
+    def _state(self) -> dict:
+        s = self.state
+        return {"model": self.module.state_dict(), "optim": self.optimizer.inner.state_dict(),
+                "scheduler": s.schedulers[0].state_dict(), "data": s.train_loader.state_dict(),
+                "step": s.step}
+
+    def _load_state(self, saved: dict) -> None:
+        s = self.state
+        self._healed_from = s.step
+        self.module.load_state_dict(saved["model"])
+        self.optimizer.inner.load_state_dict(saved["optim"])
+        for scheduler in s.schedulers:
+            scheduler.load_state_dict(saved["scheduler"])
+        s.train_loader.load_state_dict(saved["data"])
+        s.step = int(saved["step"])
+
+    # -- the loop -----------------------------------------------------------------------------
+
+    def steps(self, state, total: int, metrics=None):
+        """The steps to run: each after a quorum (and a heal if behind), each again if not committed."""
+        loader, schedulers = state.train_loader, state.schedulers
+        try:
+            while state.step < total:
+                started = time.time()
+                self.manager.start_quorum()
+                self._after_quorum(state, metrics, started)
+                before, lr_state = loader.state_dict(), schedulers[0].state_dict()
+                yield state.step + 1
+                if self.optimizer.committed:
+                    self.commits += 1
+                    self._write_row(state.step, before, loader.state_dict())
+                else:  # run the same step again, on the same data, at the same learning rate
+                    self.retries += 1
+                    loader.load_state_dict(before)
+                    for scheduler in schedulers:
+                        scheduler.load_state_dict(lr_state)
+                    state.step -= 1
+            if metrics is not None:
+                metrics.log_meta(event="torchft", group=self.group, heals=self.heals, commits=self.commits,
+                                 retries=self.retries, quorum_changes=self.quorums)
+            if self.writer:
+                ledger.record_event(self.records, "done", group=self.group, step=state.step, heals=self.heals,
+                                    commits=self.commits, retries=self.retries)
+        finally:
+            self.manager.shutdown(wait=False)
+
+    def _after_quorum(self, state, metrics, started: float) -> None:
+        """Count a heal, re-split the data for this quorum, and record a change of quorum."""
+        size = self.manager.num_participants()
+        rank = self.manager.participating_rank()
+        assert rank is not None, "a synchronous quorum always includes this group"
+        healed, self._healed_from = self._healed_from, None
+        if healed is not None:
+            self.heals += 1
+            if self.writer:
+                ledger.record_event(self.records, "heal", group=self.group, from_step=healed, to_step=state.step,
+                                    seconds=round(time.time() - started, 4))
+        self._resplit(state.train_loader, size * self.group_size, rank * self.group_size + self.local_rank)
+        if size != self._quorum_size or healed is not None:
+            self.quorums += 1
+            self._fingerprint_next = True
+            self._quorum_size = size
+            if metrics is not None:
+                metrics.log_meta(event="torchft_quorum", step=state.step + 1, group=self.group, quorum_size=size,
+                                 participating_rank=rank, healed=healed is not None, heals=self.heals)
+
+    @staticmethod
+    def _resplit(loader, num_replicas: int, rank: int) -> None:
+        """Give this rank its share of the rest of the epoch among `num_replicas` ranks."""
+        sampler = loader.sampler
+        if (sampler.num_replicas, sampler.rank) == (num_replicas, rank):
+            return
+        position = loader.state_dict()
+        sampler.num_replicas, sampler.rank = num_replicas, rank
+        loader.load_state_dict(position)
+
+    def _write_row(self, step: int, before: dict, after: dict) -> None:
+        if not self.writer:
+            return
+        row = {"step": step, "group": self.group, "pid": os.getpid(), "time": round(time.time(), 4),
+               "participants": self.manager.num_participants(), "epoch0": before["epoch"], "pos0": before["consumed"],
+               "epoch1": after["epoch"], "pos1": after["consumed"], "epoch_end": before["num_samples"]}
+        if self._fingerprint_next:  # groups in one quorum hold equal weights: the rows of a step must agree
+            self._fingerprint_next = False
+            row["weights_sum"] = weights_sum(self.module)
+        ledger.append_row(ledger.ledger_path(self.records, self.group), row)
+
+
+@torch.no_grad()
+def weights_sum(module: nn.Module) -> float:
+    """A fingerprint of the weights: the float64 sum of every parameter and buffer."""
+    return float(sum(t.detach().double().sum() for t in module.state_dict().values() if t.is_floating_point()))

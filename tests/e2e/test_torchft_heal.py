@@ -1,0 +1,116 @@
+"""torchft mode end to end: SIGKILL one replica group's worker; the survivor never restarts and
+keeps committing steps, the killed group comes back, heals from the survivor and then holds the
+survivor's weights, the metrics and the summary show the heal, and every sample is accounted for.
+
+Real processes: `meshrun train` with 2 replica groups x 1 process on the tiny model. The run is
+long (train.steps is a bound, not the goal); once the healed group has committed steps together
+with the survivor, the test sends SIGTERM to `meshrun train`, which stops both groups (each saves
+a checkpoint) and writes the summary.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from conftest import BIN, TINY, child_env, kill_tree, metrics_records
+
+from meshrun.fault import ledger
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("torchft") is None,
+                                reason="needs the torchft extra: pip install 'meshrun[torchft]' (make setup installs it)")
+
+DEADLINE_S = 150  # the whole run, killed by pid past this; ~25 s on a quiet machine
+
+
+def _wait(what: str, check, proc: subprocess.Popen, deadline: float, log: Path):
+    while time.monotonic() < deadline:
+        value = check()
+        if value:
+            return value
+        if proc.poll() is not None:
+            pytest.fail(f"meshrun train exited ({proc.returncode}) before {what}:\n{log.read_text()[-4000:]}")
+        time.sleep(0.05)
+    kill_tree(proc.pid)
+    pytest.fail(f"no {what} within {DEADLINE_S}s:\n{log.read_text()[-4000:]}")
+
+
+def _rows(records: Path, group: int) -> list[dict]:
+    return [r for r in ledger.read_ledgers(records) if r["group"] == group] if records.exists() else []
+
+
+def _heals(records: Path, since: float) -> list[dict]:
+    """Heals after `since` (a group that starts late heals once at the start too: not this test's)."""
+    return [e for e in ledger.read_events(records) if e["event"] == "heal" and e["time"] > since]
+
+
+def _starts(records: Path, group: int) -> list[dict]:
+    return [e for e in ledger.read_events(records) if e["event"] == "start" and e["group"] == group]
+
+
+def test_killed_group_heals_from_survivor_without_stopping_it(tmp_path):
+    run_dir, records, log = tmp_path / "ft", tmp_path / "ft" / "torchft", tmp_path / "train.log"
+    cmd = [str(BIN / "meshrun"), "train", TINY, "--set", "train.name=ft", "--set", f"train.run_dir={tmp_path}",
+           "--set", "fault.mode=torchft", "--set", "fault.heartbeat_timeout_ms=500", "--set", "train.steps=5000",
+           "--set", "metrics.interval=1", "--set", "train.eval_interval=0", "--set", "checkpoint.interval=0",
+           "--set", "optim.warmup_steps=0", "--max-restarts", "1"]
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, cwd=tmp_path, env=child_env(), stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    deadline = time.monotonic() + DEADLINE_S
+    try:
+        _wait("3 steps of group 1", lambda: len(_rows(records, 1)) >= 3, proc, deadline, log)
+        [first] = _starts(records, 1)
+        os.kill(first["pid"], signal.SIGKILL)
+        killed_at = time.time()
+        _wait("the heal of group 1", lambda: _heals(records, killed_at), proc, deadline, log)
+        healed = lambda: [r for r in _rows(records, 1) if r["pid"] != first["pid"]]  # noqa: E731
+        _wait("3 steps of the healed group 1", lambda: len(healed()) >= 3, proc, deadline, log)
+        proc.send_signal(signal.SIGTERM)  # stop the job: both groups save and exit, the summary is written
+        code = proc.wait(timeout=max(deadline - time.monotonic(), 1))
+    finally:
+        kill_tree(proc.pid)
+    assert code == 128 + signal.SIGTERM, log.read_text()[-4000:]
+
+    # The survivor: one process from start to end, committing steps alone while group 1 was away.
+    [survivor] = _starts(records, 0)
+    rows0 = _rows(records, 0)
+    assert {r["pid"] for r in rows0} == {survivor["pid"]}
+    alone = [r for r in rows0 if r["time"] > killed_at and r["participants"] == 1]
+    assert alone, "the survivor committed no step while group 1 was healing"
+    # The killed group: restarted once, healed from the survivor's step, then in step with it.
+    starts1 = _starts(records, 1)
+    assert len(starts1) == 2 and starts1[1]["pid"] != first["pid"]
+    [heal] = _heals(records, killed_at)
+    assert heal["group"] == 1 and heal["to_step"] >= alone[0]["step"]
+    after = healed()
+    assert after[0]["step"] == heal["to_step"] + 1 and after[0]["participants"] == 2
+    joint = {r["step"]: r for r in rows0 if r["participants"] == 2}
+    assert after[0]["step"] in joint, "the survivor did not commit the healed group's first step with it"
+    assert after[0]["weights_sum"] == joint[after[0]["step"]]["weights_sum"], "the healed weights differ from the peer's"
+
+    after_kill = [r["time"] for r in rows0 if r["time"] > killed_at]
+    stall = max(b - a for a, b in zip([killed_at, *after_kill], after_kill, strict=False))
+    print(f"\ntorchft heal: SIGKILL -> heal {heal['time'] - killed_at:.2f} s (the heal itself {heal['seconds']:.2f} s), "
+          f"-> first joint commit {after[0]['time'] - killed_at:.2f} s; the survivor's longest pause {stall:.2f} s, "
+          f"{len(alone)} steps committed alone")
+
+    # The summary and the metrics say so; the data ledger shows every sample consumed once.
+    summary = json.loads((records / "summary.json").read_text())
+    assert summary["exact"] and not summary["gaps"] and not summary["overlaps"], summary["lines"]
+    assert summary["weights_compared"] >= 1 and not summary["weights_differ"], summary["lines"]
+    groups = {g["group"]: g for g in summary["groups"]}
+    assert groups[0]["starts"] == 1 and groups[1]["starts"] == 2 and groups[1]["heals"]
+    assert groups[0]["steps_with_fewer_groups"] >= len(alone)
+    assert "group 1: exit 143, 1 restart(s)" in log.read_text()
+    quorums = [r for r in metrics_records(run_dir / "replica-1") if r.get("event") == "torchft_quorum"]
+    assert any(r["healed"] and r["quorum_size"] == 2 and r["time"] > killed_at for r in quorums), quorums
+    sizes = [r["quorum_size"] for r in metrics_records(run_dir)
+             if r.get("event") == "torchft_quorum" and r["time"] > killed_at]
+    assert sizes[:2] == [1, 2], sizes  # the survivor's quorum shrank to itself, then grew back
