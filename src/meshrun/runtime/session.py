@@ -214,9 +214,14 @@ def _barrier_before_teardown(runtime: Runtime, timeout: float) -> None:
     from torch.distributed.elastic.utils.store import barrier as store_barrier
 
     runtime.generation += 1
-    key = "meshrun/shutdown/{}/{}/{}".format(
+    # Shared by every rank of this rendezvous round: the store's port (each round gets a fresh
+    # store, launch/plan.py RELIABLE_RESTARTS). Not TORCHELASTIC_RESTART_COUNT, which differs
+    # between nodes once a lost host is replaced (the survivor's count is 1, the new node's 0),
+    # so each waited out the whole timeout.
+    key = "meshrun/shutdown/{}/{}:{}/{}".format(
         os.environ.get("TORCHELASTIC_RUN_ID", ""),
-        os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"),
+        os.environ.get("MASTER_ADDR", ""),
+        os.environ.get("MASTER_PORT", ""),
         runtime.generation,
     )
     try:
