@@ -28,6 +28,7 @@ from meshrun.runtime.events import read as read_events
 KILLS = int(os.environ.get("MESHRUN_SNAPSHOT_KILLS", "20"))  # each costs a restart (about 1 s, more under load)
 GAP, DISK_EVERY = 6, 10  # steps between kills; disk checkpoints
 STEPS = GAP * KILLS + 4
+DEADLINE_S = 45 + 10 * KILLS  # both runs; about 60 s for 20 kills on a quiet machine
 COMMON = ["--nproc-per-node", "2", "--set", f"train.steps={STEPS}", "--set", "train.eval_interval=0",
           "--set", f"checkpoint.interval={DISK_EVERY}", "--set", "checkpoint.sample_log=true",
           "--set", "metrics.jsonl=false", "--set", "checkpoint.snapshot_interval=1"]
@@ -50,36 +51,47 @@ def _last_step(run_dir: Path, session_index: int) -> int:
     return max(r["step"] for r in rows if r["session"] == sessions[session_index])
 
 
+@pytest.mark.timeout(max(300, DEADLINE_S + 30))  # MESHRUN_SNAPSHOT_KILLS=100 runs longer than the default
 def test_repeated_sigkills_resume_from_memory_bitwise_and_exactly_once(tmp_path):
+    # Output to files, not pipes: 20 kills' tracebacks fill a pipe nobody reads until the end, and
+    # a launcher blocked on a full pipe stops restarting.
+    logs = {name: open(tmp_path / f"{name}.log", "w+") for name in ("ref", "killed")}  # noqa: SIM115
     ref = subprocess.Popen([str(BIN / "meshrun"), *_args(tmp_path, "ref")], cwd=tmp_path, env=child_env(ENV),
-                           text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+                           stdout=logs["ref"], stderr=subprocess.STDOUT, start_new_session=True)
     run_dir = tmp_path / "killed"
     proc = subprocess.Popen([str(BIN / "meshrun"), *_args(tmp_path, "killed", "--max-restarts", str(KILLS))],
-                            cwd=tmp_path, env=child_env(ENV), text=True, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, start_new_session=True)
+                            cwd=tmp_path, env=child_env(ENV), stdout=logs["killed"], stderr=subprocess.STDOUT,
+                            start_new_session=True)
+
+    def output(name: str) -> str:
+        return (tmp_path / f"{name}.log").read_text()[-4000:]
+
     rng = random.Random()
-    killed_after, killed_at, deadline = [], [], time.monotonic() + 60 + 15 * KILLS
+    killed_after, killed_at, deadline = [], [], time.monotonic() + DEADLINE_S
     try:
         for kill in range(KILLS):
             # away from the disk checkpoints (10, 20, ...), where memory and disk hold the same step
             target = rng.choice([s for s in range(kill * GAP + 2, kill * GAP + GAP + 2) if s % DISK_EVERY not in (9, 0, 1)])
             while _last_step(run_dir, kill) < target:
-                assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0][-3000:]
+                assert proc.poll() is None and time.monotonic() < deadline, output("killed")
                 time.sleep(0.01)
             workers = worker_pids(proc.pid)
             assert len(workers) == 2, f"not 2 worker processes: {workers}"
             os.kill(rng.choice(workers), signal.SIGKILL)
             killed_at.append(time.time())
             killed_after.append(_last_step(run_dir, kill))
-        out, _ = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
-        ref_out, _ = ref.communicate(timeout=max(1.0, deadline - time.monotonic()))
+        proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+        ref.wait(timeout=max(1.0, deadline - time.monotonic()))
     except subprocess.TimeoutExpired:
         pytest.fail("a run did not finish in time")
     finally:
         kill_tree(proc.pid)
         kill_tree(ref.pid)
+        for fp in logs.values():
+            fp.close()
+    out = (tmp_path / "killed.log").read_text()
     assert proc.returncode == 0, out[-4000:]
-    assert ref.returncode == 0, ref_out[-4000:]
+    assert ref.returncode == 0, output("ref")
 
     events = read_events(run_dir)
     resumed = [e for e in events if e["event"] == "resumed" and e["rank"] == 0 and e["attempt"] > 0]

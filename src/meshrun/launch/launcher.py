@@ -95,6 +95,10 @@ def run_plan(plan: LaunchPlan) -> int:
         return RENDEZVOUS_FAILED_EXIT
     finally:
         attempts.uninstall(recorder)
+        if plan.preload:
+            from meshrun.launch.preload import stop_server
+
+            stop_server()
     if recorder.lines:
         print(f"meshrun: the job succeeded after {len(recorder.lines)} failed attempt(s); "
               f"see {os.path.join(log_dir, attempts.FAILURES_FILE)}", file=sys.stderr)

@@ -21,7 +21,8 @@ none; OpenMP/intra-op pools start at the first parallel op, never in the forkser
 worker checks it: it counts its parent's threads (/proc) and records the figure
 (`forkserver_threads` in events.jsonl's `worker_start`); a parent with more than one thread gets
 a warning line. The environment is the forkserver's, taken when it starts (inside the launch,
-with the job's variables set), plus the agent's per-worker variables: a process runs one job.
+with the job's variables set), plus the agent's per-worker variables; the launch stops it at its
+end (`stop_server`), so the next launch in the same process starts a new one.
 """
 
 from __future__ import annotations
@@ -73,6 +74,20 @@ def use_forkserver(config, cmd_args: list[str]) -> tuple[object, list]:
     config.start_method = START_METHOD
     argv = [a for a in cmd_args if a != "-u"]  # -u: the streams are made unbuffered in preloaded_main
     return preloaded_main, argv
+
+
+def stop_server() -> None:
+    """End this launch's forkserver and reap it (its workers have exited by now).
+
+    Its memory goes back at once, its CPU time counts as this process's children's, and a later
+    launch in the same process gets a server started with that launch's environment.
+    multiprocessing has no public call for it; `_stop` is what its own tests use.
+    """
+    from multiprocessing import forkserver
+
+    stop = getattr(forkserver._forkserver, "_stop", None)
+    if stop is not None:
+        stop()
 
 
 def preloaded_main(*argv: str) -> None:
