@@ -31,7 +31,8 @@ import os
 import sys
 from collections.abc import Mapping
 
-# What every restart would otherwise import again (measured with -X importtime on a worker).
+# What every restart would otherwise import again: what a worker imported before its first step
+# (an audit hook on "import" in a forked worker), less what these import themselves.
 PRELOAD_MODULES = (
     "torch",
     "torch.distributed.tensor",
@@ -72,7 +73,7 @@ def use_forkserver(config, cmd_args: list[str]) -> tuple[object, list]:
     # Process-wide, and read when the server starts: at the first worker start of this launch.
     multiprocessing.get_context(START_METHOD).set_forkserver_preload(list(PRELOAD_MODULES))
     config.start_method = START_METHOD
-    argv = [a for a in cmd_args if a != "-u"]  # -u: the streams are made unbuffered in preloaded_main
+    argv = list(cmd_args[1:] if cmd_args[:1] == ["-u"] else cmd_args)  # -u: preloaded_main unbuffers the streams
     return preloaded_main, argv
 
 
