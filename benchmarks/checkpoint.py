@@ -101,8 +101,8 @@ def _recovery(workdir: Path, timeout: float) -> dict:
     """Seconds from SIGKILL of one worker to the first step completed by the restarted group."""
     sys.path.insert(0, str(REPO / "tests"))
     from conftest import (  # the tests' process helpers: by pid, never by name
-        _descendants,
         kill_tree,
+        worker_pids,
     )
 
     meshrun = Path(sys.executable).parent / "meshrun"
@@ -122,7 +122,7 @@ def _recovery(workdir: Path, timeout: float) -> dict:
                 raise RuntimeError("the training run never reached step 12")
             time.sleep(0.01)
         first_session = json.loads(log.read_text().splitlines()[0])["session"]
-        workers = [p for p in _descendants(proc.pid) if "worker_main.py" in Path(f"/proc/{p}/cmdline").read_text()]
+        workers = worker_pids(proc.pid)
         victim = random.choice(workers)
         killed_at = time.monotonic()
         os.kill(victim, signal.SIGKILL)

@@ -14,11 +14,17 @@
    (benchmarks/torchrun_dcp.py).
 
 Each recovery is split, from the kill time, /proc and what the run writes (events.jsonl, rank 0's
-metrics.jsonl rows, one per step): detection (kill -> the surviving worker has exited), restart
-(-> the new workers' processes start), python (-> meshrun's worker entry runs: Python, config),
-torch (-> torch imported), rdzv (-> process group ready: rendezvous, group init),
-build (-> model, data, optimizer built), load (the state: snapshot or disk), first step
-(-> the first completed step), redo (steps recomputed), and kill -> next completed step.
+metrics.jsonl rows, one per step), into the parts issue 15 names:
+  detect    kill -> the surviving worker has exited (the agent's poll, SIGTERM to the survivor)
+  rdzv      -> the new workers' processes exist (the agent's rendezvous round, then fork or exec)
+  start     -> meshrun's worker entry has read the config (a forked worker: ~0; exec'd: Python's start)
+  imports   -> torch imported (a pre-imported worker: ~0, launch/preload.py)
+  pg init   -> process group ready (init_process_group: the store, gloo's full mesh)
+  build     -> model, data, optimizer built
+  load      the state: the in-memory snapshot or the disk checkpoint, agreed and loaded
+  first     -> the first completed step
+  redo      steps recomputed (completed before the kill, done again)
+  total     kill -> next completed step
 Processes are bounded by timeouts and stopped by pid, never by name.
 """
 
@@ -38,14 +44,14 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))
-from conftest import _descendants, kill_tree  # noqa: E402 - the tests' process helpers: by pid, never by name
+from conftest import _descendants, kill_tree, worker_pids  # noqa: E402 - the tests' process helpers: by pid, never by name
 
 from meshrun.runtime.events import process_start_time  # noqa: E402
 from meshrun.runtime.events import read as read_events  # noqa: E402
 
 BIN = Path(sys.executable).parent
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
-PARTS = ("detect", "restart", "python", "torch", "rdzv", "build", "load", "first", "redo", "total")
+PARTS = ("detect", "rdzv", "start", "imports", "pg init", "build", "load", "first", "redo", "total")
 
 
 def meshrun_cmd(run_root: Path, name: str, steps: int, interval: int, restarts: int, extra: list[str]) -> list[str]:
@@ -61,11 +67,18 @@ def baseline_cmd(run_dir: Path, steps: int, interval: int, restarts: int) -> lis
             "--interval", str(interval)]
 
 
-def _is_worker(pid: int, marker: str) -> bool:
-    try:
-        return marker in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
-    except OSError:
-        return False
+def _workers(agent: int, marker: str | None) -> list[int]:
+    """meshrun's workers (marker None: Popen'd or forked, conftest.worker_pids), or those whose cmdline has marker."""
+    if marker is None:
+        return worker_pids(agent)
+    found = []
+    for pid in _descendants(agent):
+        try:
+            if marker in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace"):
+                found.append(pid)
+        except OSError:
+            pass
+    return found
 
 
 def _gone(pid: int) -> bool:
@@ -91,7 +104,7 @@ def _train_rows(run_dir: Path) -> list[dict]:
     return rows
 
 
-def run(cmd: list[str], run_dir: Path, *, marker: str, kill_every: float | None, timeout: float,
+def run(cmd: list[str], run_dir: Path, *, marker: str | None, kill_every: float | None, timeout: float,
         log: Path) -> dict:
     """Start cmd, SIGKILL a random worker every kill_every seconds, wait for the end; kill records."""
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -141,9 +154,9 @@ def _stepped_since(run_dir: Path, kills: list[dict]) -> bool:
     return bool(rows) and (not kills or rows[-1]["time"] > kills[-1]["started"])
 
 
-def _kill_one(agent: int, marker: str, rng: random.Random, deadline: float) -> dict | None:
+def _kill_one(agent: int, marker: str | None, rng: random.Random, deadline: float) -> dict | None:
     """SIGKILL one worker; poll /proc until the survivors exit and new workers start."""
-    workers = [p for p in _descendants(agent) if _is_worker(p, marker)]
+    workers = _workers(agent, marker)
     if len(workers) < 2:
         return None  # a restart is under way: no kill now
     victim = rng.choice(workers)
@@ -155,7 +168,7 @@ def _kill_one(agent: int, marker: str, rng: random.Random, deadline: float) -> d
         now = time.time()
         if exited is None and all(_gone(p) for p in survivors):
             exited = now
-        fresh = [p for p in _descendants(agent) if p not in workers and _is_worker(p, marker)]
+        fresh = [p for p in _workers(agent, marker) if p not in workers]
         if exited is not None and fresh:
             starts = [s for s in map(process_start_time, fresh) if s is not None]
             return {"at": killed_at, "survivors_exited": exited, "started": min(starts) if starts else now}
@@ -181,8 +194,8 @@ def breakdown(result: dict) -> list[dict]:
         done = [r["step"] for r in rows if r["time"] <= kill["survivors_exited"]]
         if None in (imported, pg, built, loaded, stepped) or resumed is None:
             continue
-        out.append({"detect": kill["survivors_exited"] - kill["at"], "restart": kill["started"] - kill["survivors_exited"],
-                    "python": begun - kill["started"], "torch": imported - begun, "rdzv": pg - imported,
+        out.append({"detect": kill["survivors_exited"] - kill["at"], "rdzv": kill["started"] - kill["survivors_exited"],
+                    "start": begun - kill["started"], "imports": imported - begun, "pg init": pg - imported,
                     "build": built - pg, "load": loaded - built, "first": stepped - loaded,
                     "redo": max(done or [0]) - resumed["step"], "total": stepped - kill["at"],
                     "source": resumed.get("source")})
@@ -260,9 +273,9 @@ def main() -> int:
         print(f"{steps} steps a run (2 processes, tiny model, checkpoint.interval {args.interval}), "
               f"a SIGKILL every {args.kill_every:g} s")
         clean = run(meshrun_cmd(work, "clean", steps, args.interval, 0, extra), work / "clean",
-                    marker="worker_main.py", kill_every=None, timeout=limit, log=work / "clean.log")
+                    marker=None, kill_every=None, timeout=limit, log=work / "clean.log")
         faulty = run(meshrun_cmd(work, "faulty", steps, args.interval, restarts, extra), work / "faulty",
-                     marker="worker_main.py", kill_every=args.kill_every, timeout=limit, log=work / "faulty.log")
+                     marker=None, kill_every=args.kill_every, timeout=limit, log=work / "faulty.log")
         summary("meshrun (exact)", clean, faulty)
         if clean["finished"] and faulty["finished"]:
             equal = same_weights(work / "clean" / "model.pt", work / "faulty" / "model.pt")
@@ -270,7 +283,7 @@ def main() -> int:
         if args.disk_only_too:
             disk = run(meshrun_cmd(work, "disk-only", steps, args.interval, restarts,
                                    [*extra, "--set", "checkpoint.snapshot_interval=0"]), work / "disk-only",
-                       marker="worker_main.py", kill_every=args.kill_every, timeout=limit, log=work / "disk-only.log")
+                       marker=None, kill_every=args.kill_every, timeout=limit, log=work / "disk-only.log")
             summary("meshrun (exact), disk checkpoints only", clean, disk)
         if not args.skip_baseline:
             base_clean = run(baseline_cmd(work / "base-clean", steps, args.interval, 0), work / "base-clean",

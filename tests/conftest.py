@@ -104,6 +104,21 @@ def _descendants(pid: int) -> list[int]:
     return found
 
 
+def worker_pids(pid: int) -> list[int]:
+    """The launch workers under `pid`: worker_main.py processes, or `meshrun train`'s forked ones
+    (named meshrun-worker, launch/preload.py; their cmdline is their forkserver's)."""
+    found = []
+    for child in _descendants(pid):
+        try:
+            comm = Path(f"/proc/{child}/comm").read_text().strip()
+            cmdline = Path(f"/proc/{child}/cmdline").read_bytes().decode(errors="replace")
+        except OSError:
+            continue
+        if comm == "meshrun-worker" or "worker_main.py" in cmdline:
+            found.append(child)
+    return found
+
+
 def kill_tree(pid: int) -> None:
     """SIGKILL a process and every descendant, by pid (workers run in sessions of their own)."""
     for target in [pid, *_descendants(pid)]:

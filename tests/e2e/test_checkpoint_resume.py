@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import BIN, TINY, _descendants, child_env, kill_tree, meshrun
+from conftest import BIN, TINY, child_env, kill_tree, meshrun, worker_pids
 
 from meshrun.checkpoint.samples import effective_samples
 
@@ -104,7 +104,7 @@ def test_torn_write_sigkill_sigterm_and_corruption_all_resume_exactly(reference,
     # 2. SIGKILL one worker at a random step; the agent restarts the group again.
     kill_step = random.Random().randint(12, 25)
     _wait_for(proc, run_dir, session=1, step=kill_step)
-    workers = [p for p in _descendants(proc.pid) if "worker_main.py" in Path(f"/proc/{p}/cmdline").read_text()]
+    workers = worker_pids(proc.pid)
     assert workers, "no worker process found"
     os.kill(random.choice(workers), signal.SIGKILL)
     # 3. SIGTERM to the agent, as a scheduler's preemption: a committed checkpoint, exit 0.

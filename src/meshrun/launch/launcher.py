@@ -47,7 +47,11 @@ def build_launch(plan: LaunchPlan, log_dir: str):
         raise LaunchError(f"invalid launch options: {exc}") from None
     if plan.log_line_prefix:
         config.log_line_prefix_template = plan.log_line_prefix
-    if plan.wrap_python and isinstance(cmd, str):
+    if plan.wrap_python and isinstance(cmd, str) and plan.preload:
+        from meshrun.launch.preload import use_forkserver
+
+        cmd, cmd_args = use_forkserver(config, cmd_args)  # pre-imported: forked from a server (preload.py)
+    elif plan.wrap_python and isinstance(cmd, str):
         # [-u, (-m), target, ...] -> [-u, worker_main.py, (-m), target, ...]
         cmd_args = [cmd_args[0], WORKER_MAIN, *cmd_args[1:]]
     return config, cmd, cmd_args
@@ -91,6 +95,10 @@ def run_plan(plan: LaunchPlan) -> int:
         return RENDEZVOUS_FAILED_EXIT
     finally:
         attempts.uninstall(recorder)
+        if plan.preload:
+            from meshrun.launch.preload import stop_server
+
+            stop_server()
     if recorder.lines:
         print(f"meshrun: the job succeeded after {len(recorder.lines)} failed attempt(s); "
               f"see {os.path.join(log_dir, attempts.FAILURES_FILE)}", file=sys.stderr)

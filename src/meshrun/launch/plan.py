@@ -10,6 +10,7 @@ not the file system). The launcher (launcher.py) runs the plan. What meshrun add
 * several nodes over c10d: the store host role, the node's address and the gloo/NCCL interface
   from this machine's routes (network.py), where the user left them out;
 * every rank tee'd to per-rank files (for the failure summary), lines prefixed [rank N];
+* `meshrun train`'s workers forked from a server that has imported torch (preload.py);
 * environment for the agent and its workers: TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (reliable
   restarts, docs/multinode.md), OMP_NUM_THREADS=1 as torchrun sets it (without its banner), the
   hang watchdog's and --debug settings (meshrun.debug.settings), GLOO/NCCL_SOCKET_IFNAME.
@@ -26,6 +27,7 @@ from typing import TYPE_CHECKING
 
 from meshrun.debug.settings import apply_launch_args
 from meshrun.launch.args import parse_nnodes, resolve_nproc_per_node
+from meshrun.launch.preload import preloads
 from meshrun.launch.rdzv_defaults import with_rdzv_defaults
 
 if TYPE_CHECKING:
@@ -51,6 +53,7 @@ class LaunchPlan:
     env: Mapping[str, str] = field(default_factory=dict)  # set for the agent and workers while the job runs
     log_dir: str | None = None  # None: a new directory under the system temp dir, made when the job starts
     wrap_python: bool = True  # run Python targets through worker_main.py (records failures)
+    preload: bool = False  # fork the workers from a server that has imported torch (meshrun train's; preload.py)
     log_line_prefix: str | None = RANK_PREFIX  # None: torch's (none, or $TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE)
     quiet_torch_logs: bool = True  # torchelastic's INFO/WARNING chatter off, unless $LOGLEVEL is set
     slurm: SlurmJob | None = None
@@ -135,7 +138,11 @@ def plan_launch(args: argparse.Namespace, environ: Mapping[str, str] | None = No
         env["OMP_NUM_THREADS"] = "1"  # what torchrun does, without its banner
     prefix = None if options.no_prefix or environ.get("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE") else RANK_PREFIX
     wrap = not options.no_python and not options.run_path
-    return LaunchPlan(options, env, options.log_dir or None, wrap, prefix, "LOGLEVEL" not in environ, job, network)
+    # One OpenMP thread in the forkserver, or torch's import starts its pool there: no fork after that (preload.py)
+    preload = wrap and preloads(bool(options.module), options.training_script, environ) \
+        and env.get("OMP_NUM_THREADS", environ.get("OMP_NUM_THREADS")) == "1"
+    return LaunchPlan(options, env, options.log_dir or None, wrap, preload, prefix, "LOGLEVEL" not in environ,
+                      job, network)
 
 
 def _rendezvous(options: argparse.Namespace) -> dict[str, object]:

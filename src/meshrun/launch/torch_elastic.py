@@ -68,8 +68,33 @@ def run_agent(config: LaunchConfig, entrypoint, args: list[str], environ: Mappin
 
     quiet: torchelastic's INFO/WARNING chatter buries the user's output; errors still show.
     """
-    with scoped_environ(environ), _quiet_loggers(quiet), agent_store(config), _tolerant_error_files():
+    with scoped_environ(environ), _quiet_loggers(quiet), _plain_failure_records(), agent_store(config), \
+            _tolerant_error_files():
         elastic_launch(config=config, entrypoint=entrypoint)(*args)
+
+
+class _NoTraceback(logging.Filter):
+    """The agent's per-attempt failure record without torch's own traceback.
+
+    For a Python-callable entrypoint (meshrun train's forked workers) torch logs it with
+    `logger.exception`: a traceback of its ProcessExitedException, which says nothing the record,
+    the attempt notice and the failure summary do not say better. One line, as for exec'd workers.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if str(record.msg).startswith(_AGENT_FAILURE_PREFIX):
+            record.exc_info, record.exc_text = None, None
+        return True
+
+
+@contextlib.contextmanager
+def _plain_failure_records() -> Iterator[None]:
+    logger, plain = logging.getLogger(AGENT_PROCS_LOGGER), _NoTraceback()
+    logger.addFilter(plain)
+    try:
+        yield
+    finally:
+        logger.removeFilter(plain)
 
 
 @contextlib.contextmanager

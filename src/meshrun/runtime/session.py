@@ -199,7 +199,8 @@ def shutdown(*, failed: bool = False, timeout: float = SHUTDOWN_BARRIER_TIMEOUT_
     owned, runtime.owns_group, runtime.joined = runtime.owns_group, False, False
     if not owned or not dist.is_initialized():
         return
-    gc.collect()  # drop DDP reducers and optimizer state that still hold the group
+    if not failed:  # a failing rank exits next: a full collection (seconds, under load) would only delay the restart
+        gc.collect()  # drop DDP reducers and optimizer state that still hold the group
     if not failed and dist.get_world_size() > 1:
         _barrier_before_teardown(runtime, timeout)
     dist.destroy_process_group()

@@ -9,6 +9,7 @@ every rank trains on exactly the same settings.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -44,7 +45,9 @@ def main(argv: list[str] | None = None) -> int:
     if done is not None:  # e.g. the agent restarted the workers after the end: never train it again
         print(f"meshrun train: {run_dir} has finished (step {done}); not training it again", file=sys.stderr)
         return 0
-    events.record(run_dir, "worker_start", time=started, proc_start=events.process_start_time())
+    forked = os.environ.get("MESHRUN_FORKSERVER_THREADS")  # set by a pre-imported worker (launch/preload.py)
+    events.record(run_dir, "worker_start", time=started, proc_start=events.process_start_time(),
+                  forkserver_threads=int(forked) if forked else None)
     if cfg.parallel.strategy == "fsdp":
         from meshrun.runtime.alloc import configure_allocator
 

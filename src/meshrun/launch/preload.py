@@ -1,0 +1,158 @@
+"""Pre-imported workers for `meshrun train`: each (re)start forks from a process that has imported torch.
+
+A restarted worker of `meshrun train` used to pay `import torch` and meshrun's training modules
+again, 3-4 s of a 5.7 s recovery on a loaded 2-core machine (docs/fault-tolerance.md). torch's
+elastic agent can start workers as a Python callable with a multiprocessing start method
+(`LaunchConfig.start_method`, torch/distributed/elastic/multiprocessing/api.py
+`MultiprocessContext`); with "forkserver", Python's multiprocessing starts one server process that
+imports the preload modules once (`multiprocessing.set_forkserver_preload`), and every worker of
+every attempt is a fork of it. Only `meshrun train`'s worker target uses it (plan.py decides):
+user scripts under `meshrun launch` keep torchrun's `python -u worker_main.py ...` path.
+
+What a worker gets is what worker_main.py gives a Popen'd one (`worker_main.run`): error file,
+PR_SET_PDEATHSIG (its parent is the forkserver, which exits when the launcher does, so a
+SIGKILLed launcher still takes its workers with it), debug/hang hooks, exit codes, the failure
+summary; torch's agent redirects and tees each rank's output with the same prefix.
+
+Fork safety: fork() copies only the calling thread, so a lock another thread held at the fork
+stays locked forever in the child. The forkserver is single-threaded by construction (it only
+imports modules, whose import must start no thread: docs/STYLE point 13, and torch's import starts
+none; OpenMP/intra-op pools start at the first parallel op, never in the forkserver). Each
+worker checks it: it counts its parent's threads (/proc) and records the figure
+(`forkserver_threads` in events.jsonl's `worker_start`); a parent with more than one thread gets
+a warning line. The environment is the forkserver's, taken when it starts (inside the launch,
+with the job's variables set), plus the agent's per-worker variables; the launch stops it at its
+end (`stop_server`), so the next launch in the same process starts a new one.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Mapping
+
+# What every restart would otherwise import again: what a worker imported before its first step
+# (an audit hook on "import" in a forked worker), less what these import themselves.
+PRELOAD_MODULES = (
+    "torch",
+    "torch.distributed.tensor",
+    "torch.distributed.checkpoint.state_dict",
+    "torch._dynamo",  # initialising a model on the meta device goes through torch._refs, which imports it
+    "encodings.idna",
+    "meshrun.launch.worker_main",
+    "meshrun.launch.preload",
+    "meshrun.config",
+    "meshrun.checkpoint.runs",
+    "meshrun.debug.hooks",
+    "meshrun.debug.optim_check",
+    "meshrun.debug.store",
+    "meshrun.debug.watchdog",
+    "meshrun.models.hf_config",
+    "meshrun.runtime.events",
+    "meshrun.runtime.session",
+    "meshrun.train.profile",
+    "meshrun.train.trainer",
+)
+PRELOADED_TARGETS = ("meshrun.train.worker",)  # `-m` targets whose workers fork from the preloaded server
+WORKER_NAME = b"meshrun-worker"  # the forked worker's /proc/PID/comm (its cmdline is the forkserver's)
+START_METHOD = "forkserver"
+
+
+def preloads(module: bool, target: str, environ: Mapping[str, str]) -> bool:
+    """Does a `[-m] target` worker start from the preloaded forkserver? MESHRUN_PRELOAD=0: never."""
+    return module and target in PRELOADED_TARGETS and environ.get("MESHRUN_PRELOAD", "1") != "0"
+
+
+def use_forkserver(config, cmd_args: list[str]) -> tuple[object, list]:
+    """Switch a LaunchConfig to forked, pre-imported workers; (entrypoint, its args) for `elastic_launch`.
+
+    cmd_args are torchrun's for the Popen path: ["-u", "-m", TARGET, ARGS...].
+    """
+    import multiprocessing
+
+    # Process-wide, and read when the server starts: at the first worker start of this launch.
+    multiprocessing.get_context(START_METHOD).set_forkserver_preload(list(PRELOAD_MODULES))
+    config.start_method = START_METHOD
+    argv = list(cmd_args[1:] if cmd_args[:1] == ["-u"] else cmd_args)  # -u: preloaded_main unbuffers the streams
+    return preloaded_main, argv
+
+
+def stop_server() -> None:
+    """End this launch's forkserver and reap it (its workers have exited by now).
+
+    Its memory goes back at once, its CPU time counts as this process's children's, and a later
+    launch in the same process gets a server started with that launch's environment.
+    multiprocessing has no public call for it; `_stop` is what its own tests use.
+    """
+    from multiprocessing import forkserver
+
+    stop = getattr(forkserver._forkserver, "_stop", None)
+    if stop is not None:
+        stop()
+
+
+def preloaded_main(*argv: str) -> None:
+    """A forked worker's entry (torch's MultiprocessContext calls it in the child): worker_main's run.
+
+    A return is the worker's result (torch collects it); a failure is an exit code, as for a
+    Popen'd worker: the process exits with it.
+    """
+    import gc
+
+    # What the forkserver imported is never garbage: the collector skips it from here on, so a
+    # collection neither walks the whole inherited heap nor copies its pages (copy-on-write).
+    gc.freeze()
+    _name_process()
+    threads = parent_threads()
+    os.environ["MESHRUN_FORKSERVER_THREADS"] = str(threads)  # recorded by the worker's first event
+    _unbuffered_streams()
+    if threads > 1:
+        print(f"meshrun: the forkserver this worker was forked from has {threads} threads, not 1; "
+              "a lock held by one of them at the fork would never be released here", file=sys.stderr)
+    from meshrun.launch.worker_main import run
+
+    code = run(list(argv))
+    _run_exit_handlers()  # what interpreter exit does for a Popen'd worker; a forked child skips atexit
+    if code:
+        raise SystemExit(code)
+
+
+def parent_threads() -> int:
+    """Threads of this process's parent (Linux /proc); 1 where it cannot be read."""
+    try:
+        return len(os.listdir(f"/proc/{os.getppid()}/task"))
+    except OSError:
+        return 1
+
+
+def _name_process() -> None:
+    """/proc/PID/comm = meshrun-worker, so tools (and tests) can tell a worker from its forkserver."""
+    if sys.platform.startswith("linux"):
+        try:
+            import ctypes
+
+            PR_SET_NAME = 15
+            ctypes.CDLL(None, use_errno=True).prctl(PR_SET_NAME, WORKER_NAME)
+        except (OSError, AttributeError):
+            pass
+
+
+def _unbuffered_streams() -> None:
+    """As `python -u`: every line reaches the rank's log (and the tee) when it is written."""
+    import io
+
+    for name, fd in (("stdout", 1), ("stderr", 2)):
+        stream = getattr(sys, name)
+        try:
+            stream.flush()
+            setattr(sys, name, io.TextIOWrapper(open(fd, "wb", buffering=0, closefd=False),  # noqa: SIM115
+                                                encoding=stream.encoding, errors=stream.errors,
+                                                write_through=True))
+        except (OSError, ValueError, AttributeError):
+            pass
+
+
+def _run_exit_handlers() -> None:
+    import atexit
+
+    atexit._run_exitfuncs()

@@ -1,0 +1,43 @@
+"""Which workers fork from the pre-imported server (launch/preload.py), and how torch's agent is told.
+
+The forked workers themselves run in tests/e2e/test_snapshot_resume.py (every start checked
+single-threaded) and in every `meshrun train` test.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from meshrun.launch.args import build_parser
+from meshrun.launch.launcher import WORKER_MAIN, build_launch
+from meshrun.launch.plan import plan_launch
+from meshrun.launch.preload import PRELOAD_MODULES, preloaded_main
+
+TRAIN = ["--nproc-per-node", "2", "-m", "meshrun.train.worker", "--run-dir", "r"]
+
+
+def _plan(argv: list[str], environ: dict[str, str] | None = None):
+    return plan_launch(build_parser().parse_args(argv), {"PATH": "/usr/bin", **(environ or {})})
+
+
+def test_meshrun_train_workers_are_forked_from_the_preloaded_server(tmp_path):
+    plan = _plan(TRAIN)
+    assert plan.preload
+    config, entry, args = build_launch(plan, str(tmp_path))
+    assert entry is preloaded_main and config.start_method == "forkserver"
+    assert args == ["-m", "meshrun.train.worker", "--run-dir", "r"]  # worker_main.run's argv; no -u
+    assert "torch" in PRELOAD_MODULES and "meshrun.train.trainer" in PRELOAD_MODULES
+
+
+@pytest.mark.parametrize("argv, environ", [
+    (["--nproc-per-node", "2", "train.py"], {}),  # a user's script: its imports are its own
+    (["--nproc-per-node", "2", "-m", "pkg.train"], {}),
+    (TRAIN, {"OMP_NUM_THREADS": "4"}),  # torch's import would start OpenMP threads in the server
+    (["--nproc-per-node", "1", *TRAIN[2:]], {}),  # one process: OMP_NUM_THREADS is not set to 1
+    (TRAIN, {"MESHRUN_PRELOAD": "0"}),
+])
+def test_other_workers_are_started_as_before(tmp_path, argv, environ):
+    plan = _plan(argv, environ)
+    assert not plan.preload
+    config, entry, args = build_launch(plan, str(tmp_path))
+    assert isinstance(entry, str) and args[:2] == ["-u", WORKER_MAIN] and config.start_method != "forkserver"
