@@ -61,7 +61,11 @@ def test_killed_group_heals_from_survivor_without_stopping_it(tmp_path):
            "--set", "metrics.interval=1", "--set", "train.eval_interval=0", "--set", "checkpoint.interval=0",
            "--set", "optim.warmup_steps=0", "--max-restarts", "1"]
     with open(log, "wb") as out:
-        proc = subprocess.Popen(cmd, cwd=tmp_path, env=child_env(), stdout=out, stderr=subprocess.STDOUT,
+        # Workers exec'd (not forked from the preloaded server): the replacement then takes seconds to
+        # come back, so the survivor must commit steps alone meanwhile (with forked workers it can be
+        # back before the survivor's next quorum, and there is nothing to see).
+        proc = subprocess.Popen(cmd, cwd=tmp_path, env=child_env({"MESHRUN_PRELOAD": "0"}), stdout=out,
+                                stderr=subprocess.STDOUT,
                                 start_new_session=True)
     deadline = time.monotonic() + DEADLINE_S
     try:
