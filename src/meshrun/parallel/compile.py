@@ -70,8 +70,23 @@ def check_compiler(setting: bool | None) -> bool:
     if mode(setting) == "on":
         raise CompileError(f"train.compile=true needs a C++ compiler for inductor, but {name!r} is not on PATH; "
                            "install g++ (or set CXX), or set train.compile=\"auto\" or false")
-    logger.warning("train.compile=\"auto\": no C++ compiler (%r) on PATH; training eagerly", name)
+    warn_once("train.compile=\"auto\": no C++ compiler (%r) on PATH; training eagerly", name)
     return False
+
+
+def warn_once(message: str, *args: Any) -> None:
+    """A warning from rank 0 only: every rank decides alike, and one line says it for the job."""
+    if _rank() == 0:
+        logger.warning(message, *args)
+
+
+def _rank() -> int:
+    if "torch.distributed" in sys.modules:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            return dist.get_rank()
+    return int(os.environ.get("RANK", "0") or 0)
 
 
 def layout_allows(setting: bool | None, tp: int, sequence_parallel: bool) -> bool:
@@ -84,7 +99,7 @@ def layout_allows(setting: bool | None, tp: int, sequence_parallel: bool) -> boo
     except ConfigError as exc:
         if mode(setting) == "on":
             raise
-        logger.warning("train.compile=\"auto\": %s; training eagerly", exc)
+        warn_once("train.compile=\"auto\": %s; training eagerly", exc)
         return False
     return mode(setting) != "off"
 
@@ -111,26 +126,45 @@ def _torch_default_cache_dir() -> str:
     return os.path.abspath(default_cache_dir())
 
 
-def apply_compile(model: Any, setting: bool | None, *, backend: str = "inductor") -> list[str]:
-    """Compile each block of `model.layers` in place (fullgraph); returns the compiled names.
+def apply_compile(model: Any, setting: bool | None, *, backend: str = "inductor", scope: str = "auto",
+                  options: dict | None = None) -> list[str]:
+    """Compile `model` in place (fullgraph), whole or block by block; returns the compiled names.
 
-    A model without `layers` (a user factory's) is compiled whole. Each compiled callable is
-    wrapped by `_Guarded`, which turns the first call's failure into a `CompileError` (true) or a
-    warning and eager execution of that block ("auto").
+    scope "auto" compiles the whole model (embedding, blocks, norm and head in one graph) where
+    `whole_model_allows` says so, else each block of `model.layers`; "blocks" and "whole" force
+    one. A model without `layers` (a user factory's) is compiled whole. Each compiled callable
+    is wrapped by `_Guarded`, which turns the first call's failure into a `CompileError` (true)
+    or a warning and eager execution of that module ("auto"). `options` go to inductor.
     """
     if not check_compiler(setting):
         return []
     import torch
 
     layers = getattr(model, "layers", None)
-    if layers is None:
+    whole = layers is None or scope == "whole" or (scope == "auto" and whole_model_allows(model))
+    if whole:
         targets = [(type(model).__name__, model)]
     else:
         targets = [(f"layers.{name}", block) for name, block in layers.named_children()]
     for name, module in targets:
-        compiled = torch.compile(module._call_impl, backend=backend, fullgraph=True)
+        compiled = torch.compile(module._call_impl, backend=backend, fullgraph=True, options=options)
         module._compiled_call_impl = _Guarded(name, module, compiled, fallback=mode(setting) == "auto")
     return [name for name, _ in targets]
+
+
+def whole_model_allows(model: Any) -> bool:
+    """Whether one graph can hold the whole model: plain tensors (no FSDP/TP DTensors, whose
+    hooks and collectives stay outside compiled blocks) and a whole model, not a pipeline stage.
+
+    One graph cuts the per-block calls and lets inductor fuse the embedding, the last norm and
+    the head with their neighbours (benchmarks/compile_speedup.py: "whole" against "blocks").
+    DDP wraps the compiled model afterwards, so its gradient hooks still run as in eager.
+    """
+    from torch.distributed.tensor import DTensor
+
+    if any(isinstance(p, DTensor) for p in model.parameters()):  # FSDP2 and TP shards are DTensors
+        return False
+    return all(getattr(model, part, None) is not None for part in ("tok_embeddings", "norm", "output"))
 
 
 class _Guarded:
@@ -150,7 +184,7 @@ class _Guarded:
             if not self.fallback:
                 raise CompileError(f"train.compile: compiling {self.name} failed: {reason}; "
                                    "set train.compile=\"auto\" to fall back to eager, or false") from None
-            logger.warning("train.compile=\"auto\": compiling %s failed (%s); it runs eagerly", self.name, reason)
+            warn_once("train.compile=\"auto\": compiling %s failed (%s); it runs eagerly", self.name, reason)
             self.module._compiled_call_impl = None  # nn.Module's own call from now on
             return self.module._call_impl(*args, **kwargs)
         self.ok = True
