@@ -1,20 +1,24 @@
-"""`train.compile`: torch.compile per transformer block, its cache in the run directory, its checks.
+"""`train.compile`: torch.compile of the model (whole, or per transformer block), its cache in the run directory, its checks.
 
     meshrun train examples/configs/tiny.toml --set train.compile=true     # or "auto": eager if it fails
 
-Each block of `model.layers` is compiled on its own with `fullgraph=True`, as torchtitan does
-(torchtitan/distributed/compile.py `apply_compile`): the blocks share one code object and one
-shape, so dynamo traces one graph and every block reuses it (measured: `unique_graphs` 1 for 4
-blocks), and DDP's gradient hooks, FSDP2's all-gathers (dynamo skips FSDP hooks) and TP's
-DTensors stay outside or inside it as they are in eager. As `nn.Module.compile` does, the
-compiled callable is only recorded on the block (`_compiled_call_impl`, which nn.Module's call
-uses), so the block, its parameter names and its place against fsdp/ddp stay as they were; it
-must come after activation checkpointing, which replaces each block with its wrapper. TP without
-sequence parallel is refused (`rules.check_compile`); pipeline stages compile their own blocks.
+Where the parameters are plain tensors (one process, DDP) the whole model (embedding, blocks,
+last norm, head) is one `fullgraph=True` graph: fewer calls into compiled code, and inductor
+fuses across the block boundaries (`whole_model_allows`). DDP wraps the compiled model, so its
+gradient hooks run as in eager. Under FSDP, TP or a pipeline stage each block of `model.layers`
+is compiled on its own, as torchtitan does (torchtitan/distributed/compile.py `apply_compile`):
+the blocks share one code object and one shape, so dynamo traces one graph and every block
+reuses it (measured: `unique_graphs` 1 for 4 blocks), and FSDP2's all-gathers (dynamo skips FSDP
+hooks) and TP's DTensors stay outside or inside it as they are in eager. As `nn.Module.compile`
+does, the compiled callable is only recorded on the module (`_compiled_call_impl`, which
+nn.Module's call uses), so the module, its parameter names and its place against fsdp/ddp stay
+as they were; it must come after activation checkpointing, which replaces each block with its
+wrapper. TP without sequence parallel is refused (`rules.check_compile`); pipeline stages
+compile their own blocks.
 
 torch compiles lazily, on a block's first call: that is where a failure shows. With
 `compile = true` it is a `CompileError` naming the block and torch's reason; with "auto" the
-block falls back to eager with one warning line naming both. Inductor needs a C++ compiler on
+module falls back to eager with one warning line (rank 0's) naming both. Inductor needs a C++ compiler on
 CPU (`$CXX`, else g++): `check_compiler` refuses `true` before any worker starts.
 
 The FX graph and AOTAutograd caches go to `<run dir>/compile-cache` (`use_run_cache`), so a
@@ -153,8 +157,10 @@ def apply_compile(model: Any, setting: bool | None, *, backend: str = "inductor"
 
 
 def whole_model_allows(model: Any) -> bool:
-    """Whether one graph can hold the whole model: plain tensors (no FSDP/TP DTensors, whose
-    hooks and collectives stay outside compiled blocks) and a whole model, not a pipeline stage.
+    """Whether one graph can hold the whole model: meshrun's own Transformer (Hugging Face
+    models keep per-block graphs: their top level is not checked to trace whole), plain tensors
+    (no FSDP/TP DTensors, whose hooks and collectives stay outside compiled blocks) and a whole
+    model, not a pipeline stage.
 
     One graph cuts the per-block calls and lets inductor fuse the embedding, the last norm and
     the head with their neighbours (benchmarks/compile_speedup.py: "whole" against "blocks").
@@ -162,7 +168,9 @@ def whole_model_allows(model: Any) -> bool:
     """
     from torch.distributed.tensor import DTensor
 
-    if any(isinstance(p, DTensor) for p in model.parameters()):  # FSDP2 and TP shards are DTensors
+    from meshrun.models.llama import Transformer
+
+    if not isinstance(model, Transformer) or any(isinstance(p, DTensor) for p in model.parameters()):
         return False
     return all(getattr(model, part, None) is not None for part in ("tok_embeddings", "norm", "output"))
 
