@@ -1,23 +1,27 @@
-"""train.compile's speed-up: tokens/s of eager vs per-block compiled training, tiny and small, 1 and 2 processes.
+"""train.compile's speed-up: tokens/s of eager vs compiled training, tiny and small, 1 and 2 processes.
 
     python benchmarks/compile_speedup.py                        # tiny+small x {1 proc, DDP 2, FSDP 2}
-    python benchmarks/compile_speedup.py --sizes tiny --layouts ddp2 --variants eager,compile,compile+loss
+    python benchmarks/compile_speedup.py --sizes tiny --layouts ddp2 --variants eager,compile,blocks,whole
 
 A report, not a gate. Each (size, layout) is one `run_distributed` launch whose ranks build one
 model per variant from the same seed and then train them in turn, one step each round (so
-machine noise hits every variant alike), on the same fixed batches, for --steps steps:
-- eager: meshrun without train.compile (AdamW with torch's default foreach step);
-- compile: every block compiled as `train.compile = true` does (meshrun.parallel.compile);
-- compile+loss: the same, plus the cross entropy (with its fp32 cast) compiled on its own;
-- compile+fused: compile, with AdamW(fused=True) instead of the foreach step;
-- eager+fused, eager+loss: the optimizer or the loss alone, for each part's share;
-- eager+bf16, compile+bf16: under bf16 autocast (fast only where the CPU has AVX-512 BF16 or AMX).
+machine noise hits every variant alike), on the same fixed batches, for --steps steps. A
+variant is a base joined by "+" to any modifiers:
+- eager: meshrun without train.compile, its default optimizer (`optim` defaults: AdamW with
+  `implementation = "auto"`, fused on CPU; built by meshrun.train.optimizers.build_optimizer);
+- compile: what `train.compile = true` does (meshrun.parallel.compile.apply_compile): the whole
+  model in one graph where the layout allows it (1 process, DDP), else block by block (FSDP);
+- blocks / whole: each block compiled on its own / the whole model in one graph, forced;
+- +foreach: AdamW with torch's foreach step instead of the fused one (the old baseline);
+- +loss: the cross entropy (with its fp32 cast) compiled on its own;
+- +cpp: inductor's C++ wrapper (`cpp_wrapper`) instead of its Python one;
+- +bf16: under bf16 autocast (fast only where the CPU has AVX-512 BF16 or AMX).
 Prints, per variant: median tokens/s over the steps after --warmup (all ranks' tokens), the
-ratio to eager, the compile time (the first step's seconds, compiling included), and the largest
-loss difference from eager over the run. The inductor cache is a fresh temporary directory
-shared by every launch of this run (DDP and FSDP then reuse one graph), unless
-TORCHINDUCTOR_CACHE_DIR is set. Each launch is bounded by --timeout and its ranks are killed
-by pid by run_distributed.
+ratio to the first variant (eager), the compile time (the first step's seconds, compiling
+included), and the largest loss difference from eager over the run. The inductor cache is a
+fresh temporary directory shared by every launch of this run (the layouts then share graphs),
+unless TORCHINDUCTOR_CACHE_DIR is set. Each launch is bounded by --timeout and its ranks are
+killed by pid by run_distributed.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from meshrun.config import OptimSection
 from meshrun.models.args import ModelArgs
 from meshrun.models.llama import Transformer
 from meshrun.models.sizes import SIZES
@@ -39,33 +44,46 @@ from meshrun.parallel.compile import apply_compile
 from meshrun.parallel.dims import ParallelDims
 from meshrun.parallel.parallelize import clip_grad_norm_, parallelize_nd
 from meshrun.testing import run_distributed
+from meshrun.train.optimizers import build_optimizer
 
 LAYOUTS = {"1proc": dict(), "ddp2": dict(dp_replicate=2), "fsdp2": dict(dp_shard=2)}
-VARIANTS = ("eager", "compile", "compile+loss", "compile+fused", "eager+fused", "eager+loss")
-OPTIONAL = ("eager+bf16", "compile+bf16")
+BASES = {"eager": None, "compile": "auto", "blocks": "blocks", "whole": "whole"}
+MODIFIERS = ("foreach", "loss", "cpp", "bf16")
 
 
 def _loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())  # meshrun.train.step.lm_loss
 
 
+def check_variant(variant: str) -> None:
+    base, *mods = variant.split("+")
+    if base not in BASES or any(m not in MODIFIERS for m in mods):
+        raise SystemExit(f"--variants: {variant!r} is not a base ({', '.join(BASES)}) with modifiers "
+                         f"({', '.join(MODIFIERS)}) joined by '+'")
+
+
 def _build(variant: str, size: str, layout: dict, seq: int):
+    base, *mods = variant.split("+")
     args = ModelArgs(**{**SIZES[size], "max_seq_len": max(seq, SIZES[size]["max_seq_len"])})
     world = dist.get_world_size() if dist.is_initialized() else 1
     model = Transformer(args, seed=0)
     mesh, dims = None, None
-    compiled = "compile" in variant
+    scope = BASES[base]
+    options = {"cpp_wrapper": True} if "cpp" in mods else None
+
+    def compile_(m):
+        if scope is not None:
+            apply_compile(m, True, scope=scope, options=options)
+
     if world > 1:
         dims = ParallelDims(dp_replicate=layout.get("dp_replicate", 1), dp_shard=layout.get("dp_shard", 1),
                             tp=1, pp=1, world_size=world)
         mesh = dims.build_mesh("cpu")
-        model = parallelize_nd(model, dims, mesh, device=torch.device("cpu"),
-                               materialize=lambda m: apply_compile(m, True) if compiled else None)
-    elif compiled:
-        apply_compile(model, True)
-    fused = "fused" in variant
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1, fused=fused or None)
-    loss_fn = torch.compile(_loss, fullgraph=True) if "loss" in variant else _loss
+        model = parallelize_nd(model, dims, mesh, device=torch.device("cpu"), materialize=compile_)
+    else:
+        compile_(model)
+    opt = build_optimizer(model, OptimSection(implementation="foreach" if "foreach" in mods else "auto"))
+    loss_fn = torch.compile(_loss, fullgraph=True) if "loss" in mods else _loss
     dp_rank = dims.dp_rank(mesh) if dims else 0
     return model, opt, loss_fn, dp_rank, (dims.dp_size if dims else 1)
 
@@ -108,8 +126,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--sizes", default="tiny,small")
     p.add_argument("--layouts", default=",".join(LAYOUTS), help=f"comma-separated, of {', '.join(LAYOUTS)}")
-    p.add_argument("--variants", default="eager,compile,compile+loss,compile+fused",
-                   help=f"comma-separated, 'eager' first, of {', '.join(VARIANTS + OPTIONAL)}")
+    p.add_argument("--variants", default="eager,compile,eager+foreach,compile+foreach",
+                   help=f"comma-separated, 'eager' first: a base ({', '.join(BASES)}) and modifiers "
+                        f"({', '.join(MODIFIERS)}) joined by '+'")
     p.add_argument("--batch-size", type=int, default=16, help="global batch (sequences)")
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--steps", type=int, default=20)
@@ -118,11 +137,13 @@ def main() -> None:
     args = p.parse_args()
     variants = args.variants.split(",")
     assert variants[0] == "eager", "the first variant is the baseline: eager"
+    for v in variants:
+        check_variant(v)
     cache = None
     if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
         cache = tempfile.TemporaryDirectory(prefix="compile-bench-")
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache.name
-    print(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores; {args.steps} steps, "
+    print(f"load average {_load()} on {os.cpu_count()} cores; {args.steps} steps, "
           f"global batch {args.batch_size} x {args.seq_len}, cache {os.environ['TORCHINDUCTOR_CACHE_DIR']}")
     for size in args.sizes.split(","):
         for name in args.layouts.split(","):
@@ -136,8 +157,13 @@ def main() -> None:
                 results = run_distributed(run, world_size=world, args=fn_args, timeout=args.timeout,
                                           env={"OMP_NUM_THREADS": "1"})
             _report(size, name, variants, results, args)
+            print(f"  (load average now {_load()})", flush=True)
     if cache is not None:
         cache.cleanup()
+
+
+def _load() -> str:
+    return "/".join(f"{x:.1f}" for x in os.getloadavg())
 
 
 def _report(size: str, layout: str, variants: list[str], results: list[dict], args) -> None:

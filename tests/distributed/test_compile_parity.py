@@ -1,11 +1,11 @@
-"""train.compile x {DDP, FSDP, TP 2}: per-block compiled training matches eager training.
+"""train.compile x {DDP + activation checkpointing, FSDP, TP 2}: compiled training matches eager training.
 
 One 2-rank launch trains each layout twice through meshrun's own path (parallelize_nd, then
-apply_compile as build_layout does it, train_step): eagerly, then with every block compiled by
-inductor. The parity matrix's tiny Transformer (dim 32, 4 blocks, seq 16), fp32, AdamW, clipping,
-STEPS steps on one fixed global batch. The loss every rank logs must match eager within TOL at
-every step. The blocks share one graph per layout (DDP and FSDP even share it: FSDP2 hands the
-block plain unsharded tensors), so this costs two inductor compiles.
+apply_compile as build_layout does it, train_step): eagerly, then compiled by inductor: DDP's
+model whole, in one graph (with its checkpointed blocks inside), FSDP's and TP's block by block.
+The parity matrix's tiny Transformer (dim 32, 4 blocks, seq 16), fp32, AdamW, clipping, STEPS
+steps on one fixed global batch. The loss every rank logs must match eager within TOL at every
+step. The blocks share one graph per layout, so this costs three inductor compiles.
 
 The cache survives a restart: the launch compiles into a fresh cache directory (what
 `use_run_cache` points a run at, <run dir>/compile-cache), then a second launch of new processes,
@@ -34,7 +34,10 @@ SEQ = 16
 TOL = 1e-4  # measured: at most 1.2e-7 (inductor reorders fp32 sums, nothing more)
 ARGS = dict(vocab_size=64, dim=32, n_layers=4, n_heads=4, n_kv_heads=4, max_seq_len=SEQ)
 # TP with sequence parallel, as torchtitan runs it: TP alone is refused (rules.check_compile).
-LAYOUTS = {"ddp2": dict(dp_replicate=2), "fsdp2": dict(dp_shard=2), "tp2_sp": dict(tp=2, sequence_parallel=True)}
+LAYOUTS = {"ddp2": dict(dp_replicate=2, activation_checkpointing=True), "fsdp2": dict(dp_shard=2),
+           "tp2_sp": dict(tp=2, sequence_parallel=True)}
+BLOCKS = [f"layers.{i}" for i in range(ARGS["n_layers"])]
+COMPILED = {"ddp2": ["Transformer"], "fsdp2": BLOCKS, "tp2_sp": BLOCKS}  # whole where the tensors are plain
 CPU = torch.device("cpu")
 
 
@@ -48,7 +51,8 @@ def _train(layout: dict, compiled: bool) -> tuple[list[float], list[str], int]:
         names.extend(apply_compile(module, True if compiled else False))
 
     model = parallelize_nd(Transformer(ModelArgs(**ARGS), seed=7), dims, mesh, device=CPU, materialize=materialize,
-                           sequence_parallel=layout.get("sequence_parallel", False))
+                           sequence_parallel=layout.get("sequence_parallel", False),
+                           activation_checkpointing=layout.get("activation_checkpointing", False))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     gen = torch.Generator().manual_seed(1000)
     tokens = torch.randint(0, ARGS["vocab_size"], (GLOBAL_BATCH, SEQ + 1), generator=gen)
@@ -98,7 +102,7 @@ def test_compiled_layout_matches_eager(runs, name):
     for rank, result in enumerate(runs):
         eager, _, _ = result[f"{name}/eager"]
         compiled, blocks, graphs = result[f"{name}/compiled"]
-        assert blocks == [f"layers.{i}" for i in range(ARGS["n_layers"])], blocks
+        assert blocks == COMPILED[name], blocks
         assert graphs >= 1, "dynamo compiled nothing"
         diff = max(abs(a - b) for a, b in zip(eager, compiled, strict=True))
         if rank == 0:

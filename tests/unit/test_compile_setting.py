@@ -53,6 +53,13 @@ def test_tp_without_sequence_parallel_is_refused_for_true_and_eager_for_auto(cap
     assert layout_allows(True, 2, True) and layout_allows(None, 1, False) and not layout_allows(False, 1, False)
 
 
+def test_auto_warns_on_rank_0_only(caplog, monkeypatch):
+    monkeypatch.setenv("RANK", "1")  # no process group here: the launcher's RANK says which rank this is
+    with caplog.at_level(logging.WARNING):
+        assert layout_allows(None, 2, False) is False
+    assert caplog.text == ""
+
+
 class _Breaks(nn.Module):
     def forward(self, x):
         torch._dynamo.graph_break()  # fullgraph=True refuses this at the first call

@@ -54,16 +54,16 @@ def _cfg(**kw) -> OptimSection:
 
 
 @pytest.mark.parametrize(("schedule", "points"), [
-    # (step, factor) with 100 steps, 10 of warmup, min_ratio 0.1
-    ("cosine", [(0, 0.1), (9, 1.0), (55, 0.55), (100, 0.1)]),
-    ("linear", [(0, 0.1), (10, 1.0), (55, 0.55), (100, 0.1)]),
-    ("constant", [(0, 0.1), (10, 1.0), (99, 1.0)]),
-    # wsd, decay_fraction 0.2 of the 90 steps after warmup = 18: flat until step 82, then linear
-    ("wsd", [(0, 0.1), (10, 1.0), (81, 1.0), (82, 1.0), (91, 0.55), (100, 0.1)]),
+    # (step, factor) with 101 steps (0-100: the last step, 100, is at min_lr), 10 of warmup, min_ratio 0.1
+    ("cosine", [(0, 0.1), (9, 1.0), (55, 0.55), (100, 0.1), (101, 0.1)]),
+    ("linear", [(0, 0.1), (10, 1.0), (55, 0.55), (99, 0.11), (100, 0.1)]),
+    ("constant", [(0, 0.1), (10, 1.0), (100, 1.0)]),
+    # wsd, decay_fraction 0.2 of the 91 steps after warmup = 18: flat until step 82, then linear
+    ("wsd", [(0, 0.1), (10, 1.0), (81, 1.0), (82, 1.0), (91, 0.55), (99, 0.15), (100, 0.1)]),
 ])
 def test_schedule_curves(schedule, points):
     for step, expected in points:
-        got = lr_factor(step, total_steps=100, warmup_steps=10, schedule=schedule, min_ratio=0.1,
+        got = lr_factor(step, total_steps=101, warmup_steps=10, schedule=schedule, min_ratio=0.1,
                         decay_fraction=0.2)
         assert got == pytest.approx(expected), (schedule, step)
 
@@ -78,7 +78,7 @@ def test_wsd_scheduler_sets_the_lr_of_every_group():
         assert {g["lr"] for g in opt.param_groups} == {seen[-1]}
         opt.step()
         sched.step()
-    assert seen == pytest.approx([1.0] * 5 + [1.0, 0.8, 0.6, 0.4, 0.2])
+    assert seen == pytest.approx([1.0] * 5 + [0.8, 0.6, 0.4, 0.2, 0.0])  # the last step at min_lr
 
 
 def test_weight_decay_on_matrices_and_embeddings_not_on_gains():

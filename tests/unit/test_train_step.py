@@ -25,7 +25,7 @@ def _batch(seed=0, n=4):
 
 
 def test_warmup_then_cosine_to_min():
-    kw = dict(total_steps=100, warmup_steps=10, schedule="cosine", min_ratio=0.1)
+    kw = dict(total_steps=101, warmup_steps=10, schedule="cosine", min_ratio=0.1)  # step 100 is the last
     assert lr_factor(0, **kw) == pytest.approx(0.1)
     assert lr_factor(9, **kw) == pytest.approx(1.0)
     assert lr_factor(100, **kw) == pytest.approx(0.1)

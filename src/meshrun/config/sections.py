@@ -98,7 +98,7 @@ class TrainSection(Section):
     log_interval: int = doc_field(10, "Steps between progress updates on rank 0.")
     grad_clip: float = doc_field(1.0, "Clip the global gradient norm to this; 0 = no clipping.")
     activation_checkpointing: bool = doc_field(False, "Recompute each block's activations in backward: less memory, ~1/3 more compute.")
-    compile: bool | None = doc_field(False, "torch.compile each transformer block (inductor; the first step compiles, cached in <run dir>/compile-cache); 'auto' = the same, but eager with a warning if compiling fails.")
+    compile: bool | None = doc_field(False, "torch.compile the model (inductor; whole in one graph for one process and DDP, each transformer block under FSDP/TP/PP; the first step compiles, cached in <run dir>/compile-cache); 'auto' = the same, but eager with a warning if compiling fails.")
     run_dir: str = doc_field("runs", "Directory that holds one directory per run.")
     name: str = doc_field("", "Run name, its directory under run_dir; '' = the start time, e.g. 20250131-154210.")
 

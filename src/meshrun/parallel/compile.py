@@ -1,20 +1,24 @@
-"""`train.compile`: torch.compile per transformer block, its cache in the run directory, its checks.
+"""`train.compile`: torch.compile of the model (whole, or per transformer block), its cache in the run directory, its checks.
 
     meshrun train examples/configs/tiny.toml --set train.compile=true     # or "auto": eager if it fails
 
-Each block of `model.layers` is compiled on its own with `fullgraph=True`, as torchtitan does
-(torchtitan/distributed/compile.py `apply_compile`): the blocks share one code object and one
-shape, so dynamo traces one graph and every block reuses it (measured: `unique_graphs` 1 for 4
-blocks), and DDP's gradient hooks, FSDP2's all-gathers (dynamo skips FSDP hooks) and TP's
-DTensors stay outside or inside it as they are in eager. As `nn.Module.compile` does, the
-compiled callable is only recorded on the block (`_compiled_call_impl`, which nn.Module's call
-uses), so the block, its parameter names and its place against fsdp/ddp stay as they were; it
-must come after activation checkpointing, which replaces each block with its wrapper. TP without
-sequence parallel is refused (`rules.check_compile`); pipeline stages compile their own blocks.
+Where the parameters are plain tensors (one process, DDP) the whole model (embedding, blocks,
+last norm, head) is one `fullgraph=True` graph: fewer calls into compiled code, and inductor
+fuses across the block boundaries (`whole_model_allows`). DDP wraps the compiled model, so its
+gradient hooks run as in eager. Under FSDP, TP or a pipeline stage each block of `model.layers`
+is compiled on its own, as torchtitan does (torchtitan/distributed/compile.py `apply_compile`):
+the blocks share one code object and one shape, so dynamo traces one graph and every block
+reuses it (measured: `unique_graphs` 1 for 4 blocks), and FSDP2's all-gathers (dynamo skips FSDP
+hooks) and TP's DTensors stay outside or inside it as they are in eager. As `nn.Module.compile`
+does, the compiled callable is only recorded on the module (`_compiled_call_impl`, which
+nn.Module's call uses), so the module, its parameter names and its place against fsdp/ddp stay
+as they were; it must come after activation checkpointing, which replaces each block with its
+wrapper. TP without sequence parallel is refused (`rules.check_compile`); pipeline stages
+compile their own blocks.
 
 torch compiles lazily, on a block's first call: that is where a failure shows. With
 `compile = true` it is a `CompileError` naming the block and torch's reason; with "auto" the
-block falls back to eager with one warning line naming both. Inductor needs a C++ compiler on
+module falls back to eager with one warning line (rank 0's) naming both. Inductor needs a C++ compiler on
 CPU (`$CXX`, else g++): `check_compiler` refuses `true` before any worker starts.
 
 The FX graph and AOTAutograd caches go to `<run dir>/compile-cache` (`use_run_cache`), so a
@@ -70,8 +74,23 @@ def check_compiler(setting: bool | None) -> bool:
     if mode(setting) == "on":
         raise CompileError(f"train.compile=true needs a C++ compiler for inductor, but {name!r} is not on PATH; "
                            "install g++ (or set CXX), or set train.compile=\"auto\" or false")
-    logger.warning("train.compile=\"auto\": no C++ compiler (%r) on PATH; training eagerly", name)
+    warn_once("train.compile=\"auto\": no C++ compiler (%r) on PATH; training eagerly", name)
     return False
+
+
+def warn_once(message: str, *args: Any) -> None:
+    """A warning from rank 0 only: every rank decides alike, and one line says it for the job."""
+    if _rank() == 0:
+        logger.warning(message, *args)
+
+
+def _rank() -> int:
+    if "torch.distributed" in sys.modules:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            return dist.get_rank()
+    return int(os.environ.get("RANK", "0") or 0)
 
 
 def layout_allows(setting: bool | None, tp: int, sequence_parallel: bool) -> bool:
@@ -84,7 +103,7 @@ def layout_allows(setting: bool | None, tp: int, sequence_parallel: bool) -> boo
     except ConfigError as exc:
         if mode(setting) == "on":
             raise
-        logger.warning("train.compile=\"auto\": %s; training eagerly", exc)
+        warn_once("train.compile=\"auto\": %s; training eagerly", exc)
         return False
     return mode(setting) != "off"
 
@@ -111,26 +130,49 @@ def _torch_default_cache_dir() -> str:
     return os.path.abspath(default_cache_dir())
 
 
-def apply_compile(model: Any, setting: bool | None, *, backend: str = "inductor") -> list[str]:
-    """Compile each block of `model.layers` in place (fullgraph); returns the compiled names.
+def apply_compile(model: Any, setting: bool | None, *, backend: str = "inductor", scope: str = "auto",
+                  options: dict | None = None) -> list[str]:
+    """Compile `model` in place (fullgraph), whole or block by block; returns the compiled names.
 
-    A model without `layers` (a user factory's) is compiled whole. Each compiled callable is
-    wrapped by `_Guarded`, which turns the first call's failure into a `CompileError` (true) or a
-    warning and eager execution of that block ("auto").
+    scope "auto" compiles the whole model (embedding, blocks, norm and head in one graph) where
+    `whole_model_allows` says so, else each block of `model.layers`; "blocks" and "whole" force
+    one. A model without `layers` (a user factory's) is compiled whole. Each compiled callable
+    is wrapped by `_Guarded`, which turns the first call's failure into a `CompileError` (true)
+    or a warning and eager execution of that module ("auto"). `options` go to inductor.
     """
     if not check_compiler(setting):
         return []
     import torch
 
     layers = getattr(model, "layers", None)
-    if layers is None:
+    whole = layers is None or scope == "whole" or (scope == "auto" and whole_model_allows(model))
+    if whole:
         targets = [(type(model).__name__, model)]
     else:
         targets = [(f"layers.{name}", block) for name, block in layers.named_children()]
     for name, module in targets:
-        compiled = torch.compile(module._call_impl, backend=backend, fullgraph=True)
+        compiled = torch.compile(module._call_impl, backend=backend, fullgraph=True, options=options)
         module._compiled_call_impl = _Guarded(name, module, compiled, fallback=mode(setting) == "auto")
     return [name for name, _ in targets]
+
+
+def whole_model_allows(model: Any) -> bool:
+    """Whether one graph can hold the whole model: meshrun's own Transformer (Hugging Face
+    models keep per-block graphs: their top level is not checked to trace whole), plain tensors
+    (no FSDP/TP DTensors, whose hooks and collectives stay outside compiled blocks) and a whole
+    model, not a pipeline stage.
+
+    One graph cuts the per-block calls and lets inductor fuse the embedding, the last norm and
+    the head with their neighbours (benchmarks/compile_speedup.py: "whole" against "blocks").
+    DDP wraps the compiled model afterwards, so its gradient hooks still run as in eager.
+    """
+    from torch.distributed.tensor import DTensor
+
+    from meshrun.models.llama import Transformer
+
+    if not isinstance(model, Transformer) or any(isinstance(p, DTensor) for p in model.parameters()):
+        return False
+    return all(getattr(model, part, None) is not None for part in ("tok_embeddings", "norm", "output"))
 
 
 class _Guarded:
@@ -150,7 +192,7 @@ class _Guarded:
             if not self.fallback:
                 raise CompileError(f"train.compile: compiling {self.name} failed: {reason}; "
                                    "set train.compile=\"auto\" to fall back to eager, or false") from None
-            logger.warning("train.compile=\"auto\": compiling %s failed (%s); it runs eagerly", self.name, reason)
+            warn_once("train.compile=\"auto\": compiling %s failed (%s); it runs eagerly", self.name, reason)
             self.module._compiled_call_impl = None  # nn.Module's own call from now on
             return self.module._call_impl(*args, **kwargs)
         self.ok = True

@@ -5,8 +5,8 @@ Every schedule is a multiplier of the peak `optim.lr` per optimizer step, run by
 lr / warmup_steps to lr (Goyal et al., arXiv:1706.02677); cosine decay follows SGDR (Loshchilov
 & Hutter, arXiv:1608.03983) without restarts; warmup-stable-decay holds the peak lr, then decays
 linearly over the last `decay_fraction` of the steps after warmup (Hu et al., MiniCPM,
-arXiv:2404.06395; Hägele et al., arXiv:2405.18392). Every decay reaches `min_lr` at `total_steps`
-(the step after the last one), as the cosine and linear ones always did.
+arXiv:2404.06395; Hägele et al., arXiv:2405.18392). Every decay reaches `min_lr` at the last
+step (`total_steps - 1`, 0-based), so the run's last update is taken at `min_lr`.
 """
 
 from __future__ import annotations
@@ -23,15 +23,15 @@ def lr_factor(step: int, *, total_steps: int, warmup_steps: int, schedule: str, 
         return (step + 1) / warmup_steps
     if schedule == "constant":
         return 1.0
-    span = max(1, total_steps - warmup_steps)
+    last = total_steps - 1  # the last step, where every decay reaches min_ratio
     if schedule == "wsd":
-        decay_steps = max(1, round(decay_fraction * span))
-        start = total_steps - decay_steps
-        if step < start:
+        decay_steps = max(1, round(decay_fraction * max(1, total_steps - warmup_steps)))
+        start = last - decay_steps  # the last step at the peak; the decay takes the `decay_steps` after it
+        if step <= start:
             return 1.0
         progress = min(1.0, (step - start) / decay_steps)
         return min_ratio + (1.0 - min_ratio) * (1.0 - progress)
-    progress = min(1.0, (step - warmup_steps) / span)
+    progress = min(1.0, max(0, step - warmup_steps) / max(1, last - warmup_steps))
     if schedule == "linear":
         shape = 1.0 - progress
     else:  # cosine
