@@ -28,14 +28,9 @@ def check_fault(cfg: JobConfig, *, nnodes: str = "1") -> None:
     if not is_torchft(cfg):
         return
     mode = "fault.mode = 'torchft'"
-    p = cfg.parallel
-    for key, value in (("parallel.tp", p.tp), ("parallel.pp", p.pp)):
-        if value != 1:
-            raise ConfigError(f"{mode} runs data-parallel replica groups only, got {key} = {value}; "
-                              f"set {key} = 1, or fault.mode = 'exact'")
-    if p.strategy != "ddp":
-        raise ConfigError(f"{mode} needs parallel.strategy = 'ddp', got {p.strategy!r} (HSDP replica groups "
-                          "are not built yet); set parallel.strategy = 'ddp', or fault.mode = 'exact'")
+    from meshrun.parallel.rules import check_replica_groups
+
+    check_replica_groups(mode, cfg.parallel.strategy, cfg.parallel.tp, cfg.parallel.pp)
     if cfg.train.dtype == "fp16":
         raise ConfigError(f"{mode} does not take train.dtype = 'fp16' (a group's skipped overflow steps "
                           "would not match its peers'); use 'bf16' or 'fp32', or fault.mode = 'exact'")

@@ -246,3 +246,14 @@ def check_compile(compile_on: bool, tp: int, sequence_parallel: bool) -> None:
     """torch 2.13: a compiled TP block fed plain tensors loses the DTensor gradient in backward."""
     require("train.compile", not (compile_on and tp > 1 and not sequence_parallel),
             "false with parallel.tp > 1 unless parallel.sequence_parallel=true", compile_on)
+
+
+def check_replica_groups(mode: str, strategy: str, tp: int, pp: int) -> None:
+    """torchft replica groups (fault.mode) are data-parallel DDP groups: no TP, PP or FSDP inside."""
+    for key, value in (("parallel.tp", tp), ("parallel.pp", pp)):
+        if value != 1:
+            raise ConfigError(f"{mode} runs data-parallel replica groups only, got {key} = {value}; "
+                              f"set {key} = 1, or fault.mode = 'exact'")
+    if strategy != "ddp":
+        raise ConfigError(f"{mode} needs parallel.strategy = 'ddp', got {strategy!r} (HSDP replica groups "
+                          "are not built yet); set parallel.strategy = 'ddp', or fault.mode = 'exact'")
