@@ -198,3 +198,35 @@ def test_nice_ticks_are_round_and_cover_the_range():
     assert nice_ticks(1.23, 5.8) == [1, 2, 3, 4, 5, 6]
     ticks = nice_ticks(3.0, 3.0)
     assert ticks[0] <= 3.0 <= ticks[-1] and len(ticks) > 1
+
+
+def test_failures_and_recoveries_are_marked_and_the_goodput_estimated(tmp_path):
+    """Rank 0's rows as logged (steps 9-10 twice: redone after the restart) and events.jsonl as the
+    workers write them: one agent restart after a failure past step 10, resumed at step 8."""
+    run = tmp_path / "run"
+    run.mkdir()
+    times = [(s, 100.0 + s) for s in range(1, 11)] + [(s, 104.5 + s) for s in range(9, 21)]
+    rows = [{"kind": "meta", "world_size": 2, "start_step": 0, "time": 100.0}]
+    rows += [{"kind": "train", "step": s, "loss": 5.0 / s, "tokens_per_s": 100.0, "step_time_s": 1.0, "time": t}
+             for s, t in times]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    events = [
+        {"event": "worker_start", "rank": 0, "attempt": 0, "pid": 11, "time": 99.0},
+        {"event": "resumed", "rank": 0, "attempt": 0, "pid": 11, "time": 100.0, "source": None, "step": 0},
+        {"event": "first_step", "rank": 0, "attempt": 0, "pid": 11, "time": 101.0, "step": 1},
+        {"event": "worker_start", "rank": 0, "attempt": 1, "pid": 22, "time": 111.2},
+        {"event": "resumed", "rank": 1, "attempt": 1, "pid": 23, "time": 112.9, "source": "snapshot", "step": 8},
+        {"event": "resumed", "rank": 0, "attempt": 1, "pid": 22, "time": 113.0, "source": "snapshot", "step": 8},
+        {"event": "first_step", "rank": 0, "attempt": 1, "pid": 22, "time": 113.5, "step": 9},
+    ]
+    (run / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events) + '{"torn')
+    data = load_run(run)
+    [recovery] = data.recoveries
+    assert (recovery.failed_after, recovery.resumed_at, recovery.source, recovery.redone) == (10, 8, "snapshot", 2)
+    assert recovery.down_s == pytest.approx(3.5)  # last step before the failure at 110.0, next at 113.5
+    assert data.goodput == pytest.approx(1 - (3.5 + 2 * 1.0) / (124.5 - 101.0))
+    charts = {c.name: c for c in build_charts(data, None)}
+    assert charts["loss"].failures == [10] and charts["throughput"].failures == [10]
+    page = write_report(run, image_format="svg").html.read_text()
+    assert "failed after step 10, resumed at step 8 from snapshot, 3.5 s to the next step, 2 steps redone" in page
+    assert "goodput" in page and ">failed</text>" in (run / "loss.svg").read_text()

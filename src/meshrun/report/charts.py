@@ -37,6 +37,8 @@ class Chart:
     """Start the y axis at 0 (rates and times: gaps read in proportion)."""
     marks: list[float] = field(default_factory=list)
     """Steps to mark with a dashed vertical line labelled "resumed" (where the run restarted)."""
+    failures: list[float] = field(default_factory=list)
+    """Steps to mark with a dotted vertical line labelled "failed" (the last step before a failure)."""
 
 
 def format_number(value: float) -> str:
@@ -114,11 +116,13 @@ def render_svg(chart: Chart) -> str:
                               f'y2="{ly - 4}" stroke="{color}" stroke-width="2"/>'
                               f'<text x="{LEFT + width - 104}" '
                               f'y="{ly}">{escape(series.label)}</text>')
-        for x in chart.marks:
-            if xt[0] <= x <= xt[-1]:
-                out.append(f'<line x1="{px(x):.1f}" y1="{TOP}" x2="{px(x):.1f}" y2="{TOP + height}" '
-                           f'stroke="#d62728" stroke-dasharray="4 3"/><text x="{px(x) + 3:.1f}" '
-                           f'y="{TOP + 12}" fill="#d62728">resumed</text>')
+        for marks, color, dash, label, dy in ((chart.marks, "#d62728", "4 3", "resumed", 12),
+                                              (chart.failures, "#ff7f0e", "1 3", "failed", 24)):
+            for x in marks:
+                if xt[0] <= x <= xt[-1]:
+                    out.append(f'<line x1="{px(x):.1f}" y1="{TOP}" x2="{px(x):.1f}" y2="{TOP + height}" '
+                               f'stroke="{color}" stroke-dasharray="{dash}"/><text x="{px(x) + 3:.1f}" '
+                               f'y="{TOP + dy}" fill="{color}">{label}</text>')
         out.extend(legend)
     out.append(f'<rect x="{LEFT}" y="{TOP}" width="{width}" height="{height}" fill="none" stroke="#888"/>'
                f'<text x="{LEFT + width / 2}" y="{TOP + height + 32}" text-anchor="middle">'
@@ -153,6 +157,8 @@ def render_png(chart: Chart, path: Path) -> None:
                 markersize=4, linewidth=1.4)
     for index, x in enumerate(chart.marks):
         ax.axvline(x, color="#d62728", linestyle="--", linewidth=1, label=None if index else "resumed")
+    for index, x in enumerate(chart.failures):
+        ax.axvline(x, color="#ff7f0e", linestyle=":", linewidth=1.2, label=None if index else "failed")
     if not chart.series:
         ax.text(0.5, 0.5, "no data", ha="center", va="center", transform=ax.transAxes, color="gray")
     ax.set_title(chart.title)
@@ -162,7 +168,7 @@ def render_png(chart: Chart, path: Path) -> None:
     ax.grid(alpha=0.3)
     if chart.y_from_zero and chart.series:
         ax.set_ylim(bottom=0)
-    if len(chart.series) > 1 or chart.marks:
+    if len(chart.series) > 1 or chart.marks or chart.failures:
         ax.legend(fontsize=8)
     if chart.note:
         fig.text(0.01, 0.01, chart.note, fontsize=8, color="dimgray")

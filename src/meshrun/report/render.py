@@ -72,7 +72,7 @@ def _rank_chart(run: RunData, straggler: Straggler | None) -> Chart:
 
 def build_charts(run: RunData, straggler: Straggler | None) -> list[Chart]:
     """The charts: loss, throughput, ranks, lr and grad_norm (.png or .svg); every step chart marks
-    the steps the run resumed from."""
+    the steps the run resumed from and the last step before each failure."""
     loss = [s for s in (_series(run.train, "loss", "train loss"),
                         _series(run.eval, "eval_loss", "eval loss", markers=True)) if s]
     mfus = [r["mfu"] for r in run.train if isinstance(r.get("mfu"), (int, float))]
@@ -90,6 +90,7 @@ def build_charts(run: RunData, straggler: Straggler | None) -> list[Chart]:
     ]
     for chart in charts:
         chart.marks = list(run.resumed_at) if chart.series else []
+        chart.failures = [r.failed_after for r in run.recoveries] if chart.series else []
     return charts
 
 
@@ -168,6 +169,11 @@ def summary_rows(run: RunData, stats: list[RankStats], straggler: Straggler | No
         rows.append(("wall time", f"{max(times) - min(times):.1f} s between the first and last record"))
     if run.resumed_at:
         rows.append(("resumed", ", ".join(f"at step {step}" for step in run.resumed_at)))
+    for index, recovery in enumerate(run.recoveries, 1):
+        rows.append((f"recovery {index}", recovery.describe()))
+    if run.goodput is not None:
+        rows.append(("goodput", f"{run.goodput:.3f} (estimated from this run's records: "
+                                "benchmarks/goodput.py measures it against a fault-free run)"))
     if run.skipped_lines:
         rows.append(("skipped lines", f"{run.skipped_lines} (not JSON, or no step)"))
     return rows

@@ -1,4 +1,5 @@
-"""Read a run directory for `meshrun report`: rank 0's metrics.jsonl and every rank's step times.
+"""Read a run directory for `meshrun report`: rank 0's metrics.jsonl, every rank's step times, and
+the failures and recoveries in events.jsonl.
 
 A malformed line (typically the half-written last line of a crashed run) is skipped and counted.
 """
@@ -13,6 +14,8 @@ from typing import Any
 
 from meshrun.errors import MeshrunError
 from meshrun.metrics.logger import METRICS_FILE, RANKS_DIR
+from meshrun.report.recoveries import Recovery, find_recoveries, goodput_estimate
+from meshrun.runtime import events
 
 logger = logging.getLogger(__name__)
 
@@ -33,6 +36,10 @@ class RunData:
     skipped_lines: int = 0
     starts: list[dict[str, Any]] = field(default_factory=list)
     """Each start's meta row, in order (the rows with "start_step": > 0 on a resume)."""
+    recoveries: list[Recovery] = field(default_factory=list)
+    """Each restart after a failure (events.jsonl), in order."""
+    goodput: float | None = None
+    """The goodput those recoveries left, estimated from this run's records (recoveries.py)."""
 
     @property
     def resumed_at(self) -> list[int]:
@@ -104,6 +111,8 @@ def load_run(run_dir: str | Path) -> RunData:
     meta: dict[str, Any] = {}
     for record in kinds["meta"]:
         meta.update(record)
+    recoveries = find_recoveries(events.read(run_dir), kinds["train"])
     return RunData(name=run_dir.resolve().name, train=_by_step(kinds["train"]),
                    eval=_by_step(kinds["eval"]), meta=meta, ranks=dict(sorted(ranks.items())),
-                   skipped_lines=bad, starts=[r for r in kinds["meta"] if "start_step" in r])
+                   skipped_lines=bad, starts=[r for r in kinds["meta"] if "start_step" in r],
+                   recoveries=recoveries, goodput=goodput_estimate(recoveries, kinds["train"]))
