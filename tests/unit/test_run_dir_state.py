@@ -139,3 +139,18 @@ def test_recording_settings_may_change_between_starts_the_training_ones_may_not(
     assert first_difference(saved, snaps) is None  # memory snapshots do not change the weights either
     lr = dataclasses.replace(saved, optim=dataclasses.replace(saved.optim, lr=saved.optim.lr * 2))
     assert first_difference(saved, lr).startswith("optim.lr=")
+
+
+def test_resume_by_step_names_a_checkpoint_of_the_named_run(tmp_path, monkeypatch):
+    from meshrun.checkpoint.selection import resume_by_step
+    from meshrun.errors import ConfigError
+
+    monkeypatch.chdir(tmp_path)
+    run = tmp_path / "runs" / "exp"
+    want = str(run / "checkpoints" / "step-00000010")
+    assert resume_by_step("step-00000010", run) == resume_by_step("step-10", run) == resume_by_step("10", run) == want
+    assert resume_by_step("runs/other/checkpoints/step-00000004", run) == "runs/other/checkpoints/step-00000004"
+    (tmp_path / "10").mkdir()  # a directory of that name where the command runs is a path, as given
+    assert resume_by_step("10", run) == "10"
+    with pytest.raises(ConfigError, match=r"--resume 12: a step names a checkpoint of a named run; add --set train.name"):
+        resume_by_step("12", None)

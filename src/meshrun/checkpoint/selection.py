@@ -59,3 +59,20 @@ def drop_uncommitted(root: Path) -> None:
         logger.warning("meshrun: ignoring incomplete checkpoint %s (the write never committed); removing it",
                        tmp.name)
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def resume_by_step(resume: str, run_dir: Path | None) -> str:
+    """`--resume step-00000010`, `step-10` or `10`: that checkpoint of `run_dir` as a path (when no
+    such file or directory exists where the command runs); anything else as it was. `run_dir`
+    None (an unnamed run): a step alone names no run, one line."""
+    import re
+
+    match = re.fullmatch(r"(?:step-)?(\d+)", resume)
+    if match is None or os.path.exists(resume):
+        return resume
+    if run_dir is None:
+        from meshrun.errors import ConfigError
+
+        raise ConfigError(f"--resume {resume}: a step names a checkpoint of a named run; add "
+                          "--set train.name=NAME, or give the checkpoint's path (`meshrun ckpt list runs/NAME`)")
+    return str(mf.checkpoints_dir(run_dir) / mf.step_dir_name(int(match[1])))

@@ -81,9 +81,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("config", nargs="?", help="TOML config file; omitted = the embedded default")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                         help="override one config key (repeatable), e.g. --set optim.lr=3e-4")
-    parser.add_argument("--resume", metavar="auto|never|PATH",
+    parser.add_argument("--resume", metavar="auto|never|PATH|STEP",
                         help="checkpoint.resume: 'auto' (default) = the run directory's latest valid checkpoint, "
-                             "'never' = start fresh, or a checkpoint directory (docs/checkpoint.md); "
+                             "'never' = start fresh, a checkpoint directory, or a step of this run "
+                             "(step-00000010 or 10, with train.name; docs/checkpoint.md); "
                              "discarding a run's later checkpoints needs --force")
     parser.add_argument("--force", action="store_true",
                         help="let this start discard or replace part of an existing run's history: train a "
@@ -192,6 +193,12 @@ def check_train_args(argv: list[str]) -> tuple[argparse.Namespace, JobConfig, ar
         raise ConfigError(f"config file {args.config!r} not found; see examples/configs/ for examples")
     overrides = args.overrides + ([f"checkpoint.resume={args.resume}"] if args.resume else [])
     cfg = load_config(args.config, overrides)
+    if cfg.checkpoint.resume not in ("auto", "never"):
+        from meshrun.checkpoint.selection import resume_by_step
+
+        resume = resume_by_step(cfg.checkpoint.resume, Path(cfg.train.run_dir) / cfg.train.name
+                                if cfg.train.name else None)
+        cfg = load_config(args.config, [*overrides, f"checkpoint.resume={resume}"])
     if args.profile is not None:
         parse_steps(args.profile, cfg.train.steps)  # one line and exit 2 before anything starts
     from_config = _launch_argv_from_config(cfg, cli_launch)
