@@ -207,11 +207,12 @@ def test_fp16_overflow_skips_the_step_counts_it_and_leaves_the_weights(runs):
 def test_the_launch_killed_each_pair_once_and_finished(runs):
     result = runs["killed"]
     assert result.returncode == 0, result.output[-4000:]
-    # The killed rank is named by its signal, or as the rank that left no Python error when the
-    # agent saw its peer's 'Connection reset' first (tests/e2e/test_restarts.py).
-    failed = re.findall(r"^meshrun: attempt (\d+) failed.*local rank 1 \(pid \d+\): (?:killed by SIGKILL|ended without a "
-                        r"Python error)", result.stderr, re.M)
+    # One failed attempt per pair. Which rank the line names depends on who the agent saw die first:
+    # the SIGKILLed rank 1, or rank 0 raising gloo's 'Connection reset' (seen in CI under load);
+    # that the right attempt died is checked per pair (its losses file is missing).
+    failed = re.findall(r"^meshrun: attempt (\d+) failed on \S+: local rank ", result.stderr, re.M)
     assert failed == [str(i) for i in range(len(PAIRS))], result.stderr[-4000:]
+    assert "killed by SIGKILL" in result.stderr or "ended without a Python error" in result.stderr
 
 
 @pytest.mark.parametrize("name", list(PAIRS))

@@ -73,3 +73,7 @@ def test_tensor_parallel_rules_of_an_hf_model_are_checked_before_launch(tmp_path
     with pytest.raises(ConfigError, match=r"\{'mlp.gate_proj': 'colwise_gather_output'\} are not supported"):
         preflight(load_config(None, tp2), nproc_per_node="2")
     preflight(load_config(None, tp2[:2]), nproc_per_node="2")  # DDP: the TP plan is not read
+    (path / "config.json").write_text(json.dumps(QWEN3))  # the plan left to the transformers class
+    preflight(load_config(None, tp2), nproc_per_node="2")  # the workers check the built config's
+    with pytest.raises(ConfigError, match=r"parallel.sequence_parallel=true is not offered"):
+        preflight(load_config(None, [*tp2, "parallel.sequence_parallel=true"]), nproc_per_node="2")

@@ -111,11 +111,14 @@ def layer_tp_plan(config: Any) -> dict[str, str]:
 
 
 def check_hf_tp_plan(path: str, sequence_parallel: bool) -> dict[str, str]:
-    """model.hf under tp > 1: the rules of parallel/rules.py's check_hf_tp, from config.json alone."""
+    """model.hf under tp > 1, before launch: sequence parallel, and the styles of a plan that
+    config.json states. save_pretrained leaves out a plan that is the transformers class's own
+    default (a class attribute): then the workers check the plan of the built config."""
     from meshrun.parallel.rules import check_hf_tp
 
     plan = layer_tp_plan(read_hf_config(path))
-    check_hf_tp(path, sequence_parallel, plan, TP_STYLES)
+    if plan or sequence_parallel:
+        check_hf_tp(path, sequence_parallel, plan, TP_STYLES)
     return plan
 
 
