@@ -27,7 +27,10 @@ from meshrun.runtime.events import read as read_events
 
 KILLS = int(os.environ.get("MESHRUN_SNAPSHOT_KILLS", "20"))  # each costs a restart (about 1 s, more under load)
 GAP, DISK_EVERY = 6, 10  # steps between kills; disk checkpoints
-STEPS = GAP * KILLS + 4
+# Steps after the last kill's window: on a quiet machine a tiny step takes ~15 ms, and without a
+# tail the run finished before the test could kill it the last times (CI, 4ed6e8a).
+TAIL = 150
+STEPS = GAP * KILLS + 4 + TAIL
 DEADLINE_S = 45 + 10 * KILLS  # both runs; about 60 s for 20 kills on a quiet machine
 COMMON = ["--nproc-per-node", "2", "--set", f"train.steps={STEPS}", "--set", "train.eval_interval=0",
           "--set", f"checkpoint.interval={DISK_EVERY}", "--set", "checkpoint.sample_log=true",
