@@ -11,7 +11,6 @@ weights bitwise equal to an uninterrupted run's.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import signal
 import socket
@@ -23,6 +22,7 @@ import pytest
 import torch
 from conftest import BIN, TINY, child_env, free_port, kill_tree
 
+from meshrun.checkpoint.snapshot_slots import peek_slot
 from meshrun.runtime.events import read as read_events
 
 # STEPS leaves ~2 s of steps after KILL_AFTER even on a quiet machine (a tiny step is ~15-25 ms):
@@ -41,17 +41,19 @@ def _launch(tmp: Path, name: str, *extra: str, log: str) -> subprocess.Popen:
                             stderr=subprocess.STDOUT, start_new_session=True)
 
 
-def _last_step(run_dir: Path, rank: int) -> int:
-    try:
-        rows = (run_dir / "samples" / f"rank-{rank:05d}.jsonl").read_text().splitlines()
-        return max(json.loads(row)["step"] for row in rows if row.strip())
-    except (OSError, ValueError):
-        return -1
+def _peer_step_of_rank1(launcher_pid: int) -> int:
+    """The newest step of rank 1 that node 0's launcher area holds whole (-1 if none yet).
 
-
-def _peer_copy_of_rank1(launcher_pid: int) -> bool:
+    A slot counts only while its `.ok` mark exists both before and after it is read: the mark is
+    removed before a slot is overwritten, so a slot read under its mark is the one the resume sees.
+    """
     root = Path(os.environ.get("MESHRUN_SNAPSHOT_ROOT", "/dev/shm"))
-    return any(root.glob(f"meshrun-{launcher_pid}-*/peer-rank1/slot-*.snap.ok"))
+    held = -1
+    for ok in root.glob(f"meshrun-{launcher_pid}-*/peer-rank1/slot-*.snap.ok"):
+        peeked = peek_slot(ok.with_suffix(""))
+        if peeked is not None and ok.exists():
+            held = max(held, peeked[0])
+    return held
 
 
 @pytest.mark.timeout(240)
@@ -71,7 +73,7 @@ def test_lost_host_resumes_from_the_peer_hosts_memory_bitwise(tmp_path):
                 break
             time.sleep(0.2)
         procs.append(_launch(tmp_path, "lost", *nodes, log="node1.log"))
-        while _last_step(run_dir, 1) < KILL_AFTER or not _peer_copy_of_rank1(procs[0].pid):
+        while (held := _peer_step_of_rank1(procs[0].pid)) < KILL_AFTER:
             assert all(p.poll() is None for p in procs) and time.monotonic() < deadline, \
                 (tmp_path / "node0.log").read_text()[-3000:]
             time.sleep(0.05)
@@ -92,7 +94,8 @@ def test_lost_host_resumes_from_the_peer_hosts_memory_bitwise(tmp_path):
     resumed = {e["rank"]: e for e in read_events(run_dir) if e["event"] == "resumed" and e["time"] > killed_at}
     assert resumed.keys() == {0, 1}, resumed
     assert resumed[1]["source"] == "peer" and resumed[0]["source"] == "snapshot", resumed  # not disk
-    assert resumed[1]["step"] >= KILL_AFTER - 1 and resumed[1]["disk"] is None, resumed
+    # node 0 held rank 1's step `held` whole when node 1 was killed: nothing older may be resumed
+    assert resumed[1]["step"] >= held >= KILL_AFTER and resumed[1]["disk"] is None, (held, resumed)
     stepped = min(e["time"] for e in read_events(run_dir) if e["event"] == "first_step" and e["time"] > killed_at)
     print(f"host loss: SIGKILL -> next completed step {stepped - killed_at:.1f}s, resumed at step "
           f"{resumed[1]['step']} from node 0's copy; test {time.monotonic() - t0:.1f}s")
