@@ -190,6 +190,26 @@ def test_meta_build_then_materialise():
     torch.testing.assert_close(m(tokens()), model()(tokens()))
 
 
+def test_on_meta_builds_the_same_model_without_running_fills():
+    import subprocess
+    import sys
+
+    from meshrun.models.meta import on_meta
+
+    with on_meta():
+        m = Transformer(ModelArgs(**SMALL))
+        drawn = nn.init.normal_(torch.empty(3))  # a fill on meta: returned as it is
+    assert drawn.is_meta and all(t.is_meta for t in [*m.parameters(), *m.buffers()])
+    m.to_empty(device="cpu")
+    m.init_weights(seed=0)
+    torch.testing.assert_close(m(tokens()), model()(tokens()))
+    # the point of it: a shapes-only build (the launcher's memory check) never imports torch._dynamo
+    code = ("import sys, torch; from meshrun.models.meta import on_meta; from meshrun.models import Transformer, "
+            f"ModelArgs\nwith on_meta(): Transformer(ModelArgs(**{SMALL!r}))\nprint('torch._dynamo' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == "False", out.stdout + out.stderr
+
+
 def test_initial_loss_near_uniform():
     m = model()
     x = tokens()

@@ -27,7 +27,9 @@ end (`stop_server`), so the next launch in the same process starts a new one.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import sys
 from collections.abc import Mapping
 
@@ -82,11 +84,18 @@ def stop_server() -> None:
 
     Its memory goes back at once, its CPU time counts as this process's children's, and a later
     launch in the same process gets a server started with that launch's environment.
-    multiprocessing has no public call for it; `_stop` is what its own tests use.
+    multiprocessing has no public call for it; `_stop` is what its own tests use. The server is
+    SIGKILLed first (by pid): its workers are gone and it holds nothing to flush, and a graceful
+    exit would spend a second tearing down the torch it imported.
     """
     from multiprocessing import forkserver
 
-    stop = getattr(forkserver._forkserver, "_stop", None)
+    server = forkserver._forkserver
+    pid = getattr(server, "_forkserver_pid", None)
+    if pid is not None:  # nothing left to flush: spare it a second of interpreter teardown (torch loaded)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    stop = getattr(server, "_stop", None)
     if stop is not None:
         stop()
 

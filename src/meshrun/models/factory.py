@@ -16,6 +16,7 @@ from torch import nn
 from meshrun.errors import ModelError
 from meshrun.models.from_config import ARG_FIELDS, model_args_from_config  # noqa: F401 - re-exported
 from meshrun.models.llama import Transformer
+from meshrun.models.meta import on_meta
 
 logger = logging.getLogger(__name__)
 
@@ -90,7 +91,7 @@ def build_meta_model(
     ``build_model`` does, with one log line: every rank then holds the whole model at start-up.
     """
     try:
-        with torch.device("meta"):
+        with on_meta():
             model = build_model(model_cfg, vocab_size, seed=seed)
         reason = None if hasattr(model, "init_weights") else "has no init_weights(seed)"
     except ModelError:

@@ -165,11 +165,11 @@ def _load_hf_dir(transformers, path: Path) -> Loaded:
 
 
 def _load_run(transformers, path: Path) -> Loaded:
-    import torch
 
     from meshrun.checkpoint.export_tokenizer import token_ids, tokenizer_spec
     from meshrun.checkpoint.model_source import open_source
     from meshrun.data.tokenizer import load_tokenizer
+    from meshrun.models.meta import on_meta
     from meshrun.models.to_hf import plan_for
 
     source = open_source(path)
@@ -177,7 +177,7 @@ def _load_run(transformers, path: Path) -> Loaded:
     tokenizer = load_tokenizer(tokenizer_spec(source.config))
     config = dict(plan.config)
     config_obj = transformers.AutoConfig.for_model(config.pop("model_type"), **config)
-    with torch.device("meta"):
+    with on_meta():
         model = transformers.AutoModelForCausalLM.from_config(config_obj)
     state = {}
     for name, hf_name in plan.names.items():  # one tensor at a time: read, convert, keep

@@ -133,7 +133,10 @@ class Transformer(nn.Module):
         if args.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
         # Non-persistent: derived from args, so never in a checkpoint and cheap to rebuild.
-        cos, sin = rope_tables(args.head_dim, args.max_seq_len, args.rope_theta)
+        if torch.get_default_device().type == "meta":  # shapes only: init_weights computes them later
+            cos, sin = (torch.empty(args.max_seq_len, args.head_dim // 2) for _ in range(2))
+        else:
+            cos, sin = rope_tables(args.head_dim, args.max_seq_len, args.rope_theta)
         self.register_buffer("freqs_cos", cos, persistent=False)
         self.register_buffer("freqs_sin", sin, persistent=False)
         self.init_weights(seed)

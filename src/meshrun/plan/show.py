@@ -70,11 +70,10 @@ def chunk_len(n: int, parts: int, index: int) -> int:
 
 def param_shapes(args: ModelArgs) -> list[tuple[str, tuple[int, ...]]]:
     """(name, shape) of each parameter of the built-in decoder, from a model on the meta device."""
-    import torch
-
     from meshrun.models.llama import Transformer
+    from meshrun.models.meta import on_meta
 
-    with torch.device("meta"):
+    with on_meta():
         model = Transformer(args)
     return [(name, tuple(p.shape)) for name, p in model.named_parameters()]
 

@@ -55,15 +55,14 @@ def check_factory_builds(cfg: JobConfig, vocab_size: int) -> None:
     The module was found without running it (config/validate.py); here its code runs, once."""
     import dataclasses
 
-    import torch
-
     from meshrun.errors import ModelError
     from meshrun.models.factory import build_model, load_factory
+    from meshrun.models.meta import on_meta
 
     load_factory(cfg.model.factory)  # does it import, and name a callable?
     model_cfg = dataclasses.replace(cfg.model, init_from="")  # weights are the checkpoint checks' job
     try:
-        with torch.device("meta"):
+        with on_meta():
             build_model(model_cfg, vocab_size, seed=0)
         return
     except ModelError:
