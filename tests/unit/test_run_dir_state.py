@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import socket
+from pathlib import Path
 
 import pytest
 
@@ -148,6 +149,13 @@ def test_resume_by_step_names_a_checkpoint_of_the_named_run(tmp_path, monkeypatc
     monkeypatch.chdir(tmp_path)
     run = tmp_path / "runs" / "exp"
     want = str(run / "checkpoints" / "step-00000010")
+    with pytest.raises(ConfigError, match=r"--resume 10: run .*exp has no checkpoint at step 10 \(it has no checkpoint yet"):
+        resume_by_step("10", run)
+    Path(want).mkdir(parents=True)
+    (run / "checkpoints" / "step-00000020").mkdir()
+    with pytest.raises(ConfigError, match=r"--resume step-15: .* at step 15 \(its checkpoints: step-00000010, step-00000020; "
+                                          r"see `meshrun ckpt list .*exp`\)"):
+        resume_by_step("step-15", run)
     assert resume_by_step("step-00000010", run) == resume_by_step("step-10", run) == resume_by_step("10", run) == want
     assert resume_by_step("runs/other/checkpoints/step-00000004", run) == "runs/other/checkpoints/step-00000004"
     (tmp_path / "10").mkdir()  # a directory of that name where the command runs is a path, as given

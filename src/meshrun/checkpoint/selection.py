@@ -75,4 +75,12 @@ def resume_by_step(resume: str, run_dir: Path | None) -> str:
 
         raise ConfigError(f"--resume {resume}: a step names a checkpoint of a named run; add "
                           "--set train.name=NAME, or give the checkpoint's path (`meshrun ckpt list runs/NAME`)")
-    return str(mf.checkpoints_dir(run_dir) / mf.step_dir_name(int(match[1])))
+    path = mf.checkpoints_dir(run_dir) / mf.step_dir_name(int(match[1]))
+    if not path.exists():
+        from meshrun.errors import ConfigError
+
+        held = [p.name for p in reversed(mf.committed(mf.checkpoints_dir(run_dir)))]
+        has = f"its checkpoints: {', '.join(held)}" if held else "it has no checkpoint yet"
+        raise ConfigError(f"--resume {resume}: run {run_dir} has no checkpoint at step {int(match[1])} ({has}; "
+                          f"see `meshrun ckpt list {run_dir}`)")
+    return str(path)

@@ -13,6 +13,7 @@ so every launch option works.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import time
@@ -198,7 +199,7 @@ def check_train_args(argv: list[str]) -> tuple[argparse.Namespace, JobConfig, ar
 
         resume = resume_by_step(cfg.checkpoint.resume, Path(cfg.train.run_dir) / cfg.train.name
                                 if cfg.train.name else None)
-        cfg = load_config(args.config, [*overrides, f"checkpoint.resume={resume}"])
+        cfg = dataclasses.replace(cfg, checkpoint=dataclasses.replace(cfg.checkpoint, resume=resume))
     if args.profile is not None:
         parse_steps(args.profile, cfg.train.steps)  # one line and exit 2 before anything starts
     from_config = _launch_argv_from_config(cfg, cli_launch)
