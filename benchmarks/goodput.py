@@ -2,6 +2,7 @@
 
     python benchmarks/goodput.py                               # 10 minutes a run, a kill every 60 s
     python benchmarks/goodput.py --minutes 0.5 --kill-every 10 --skip-baseline
+    python benchmarks/goodput.py --side-by-side                # each pair at once: for a shared machine
 
 1. Calibration (about 20 s): a fault-free `meshrun train` (2 processes, examples/configs/tiny.toml,
    checkpoint.interval 5) gives its steps/s, hence S = the steps a fault-free run does in --minutes.
@@ -9,7 +10,9 @@
    --kill-every seconds, once the job has completed a step since the last recovery began
    (--max-restarts large enough). Goodput = useful tokens/s with faults / without
    = (launch -> step S, fault-free) / (launch -> step S, with kills). The final model.pt files must be
-   bitwise equal.
+   bitwise equal. With --side-by-side the two runs start together and share the machine (and
+   whatever else loads it); goodput is then the faulty run's step when the fault-free one ended,
+   divided by S, both after the same seconds.
 3. The guide's way, the same two runs: plain `torchrun` + DCP every checkpoint.interval steps
    (benchmarks/torchrun_dcp.py).
 
@@ -137,6 +140,17 @@ def run(cmd: list[str], run_dir: Path, *, marker: str | None, kill_every: float 
             "end": last["time"], "steps": last["step"], "finished": finished}
 
 
+def pair(clean: dict, faulty: dict, together: bool) -> tuple[dict, dict]:
+    """run(**clean) then run(**faulty), or both at once (--side-by-side): the same load for both."""
+    if not together:
+        return run(**clean), run(**faulty)
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(2) as pool:
+        futures = [pool.submit(run, **clean), pool.submit(run, **faulty)]
+        return futures[0].result(), futures[1].result()
+
+
 def _stop(proc: subprocess.Popen) -> None:
     """SIGTERM first (meshrun train then removes its /dev/shm directory), SIGKILL of the tree after 10 s."""
     if proc.poll() is None:
@@ -202,13 +216,20 @@ def breakdown(result: dict) -> list[dict]:
     return out
 
 
-def summary(name: str, clean: dict, faulty: dict) -> None:
+def summary(name: str, clean: dict, faulty: dict, together: bool = False) -> None:
     clean_s = clean["end"] - clean["launched"]
     faulty_s = faulty["end"] - faulty["launched"]
     parts = breakdown(faulty)
-    goodput = (faulty["steps"] / faulty_s) / (clean["steps"] / clean_s)
-    print(f"{name}: goodput {goodput:.3f} (launch -> step {clean['steps']}: {clean_s:.1f} s without faults; "
-          f"-> step {faulty['steps']}: {faulty_s:.1f} s with {len(faulty['kills'])} SIGKILLs)")
+    if together:  # the same seconds of the same machine: the faulty run's progress when the other ended
+        reached = max([r["step"] for r in faulty["rows"] if r["time"] - faulty["launched"] <= clean_s] or [0])
+        goodput = reached / clean["steps"]
+        print(f"{name}: goodput {goodput:.3f} (side by side, {clean_s:.1f} s from launch: step {clean['steps']} "
+              f"without faults, step {reached} with {len(faulty['kills'])} SIGKILLs; the faulty run ended at "
+              f"{faulty_s:.1f} s)")
+    else:
+        goodput = (faulty["steps"] / faulty_s) / (clean["steps"] / clean_s)
+        print(f"{name}: goodput {goodput:.3f} (launch -> step {clean['steps']}: {clean_s:.1f} s without faults; "
+              f"-> step {faulty['steps']}: {faulty_s:.1f} s with {len(faulty['kills'])} SIGKILLs)")
     chosen = [e for e in faulty["events"] if e["event"] == "snapshot_interval" and e["rank"] == 0]
     if chosen:
         last = chosen[-1]
@@ -261,22 +282,28 @@ def main() -> int:
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="more meshrun config for both meshrun runs, e.g. checkpoint.snapshot_interval=0")
     parser.add_argument("--keep", action="store_true", help="keep the work directory (logs, run dirs)")
+    parser.add_argument("--side-by-side", action="store_true",
+                        help="run each fault-free run at the same time as its faulty run (half the machine each, "
+                             "the same load from other jobs: the ratio holds on a shared machine)")
     args = parser.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # `timeout` too: the finally blocks stop the runs
     work = Path(tempfile.mkdtemp(prefix="meshrun-goodput-"))
     print(f"load average before: {Path('/proc/loadavg').read_text().split()[:3]}; work dir {work}")
     try:
-        steps = args.steps or max(20, round(calibrate(work, args.interval, 15) * args.minutes * 60))
+        share = 0.5 if args.side_by_side else 1.0  # two runs at once: each about half as fast
+        steps = args.steps or max(20, round(calibrate(work, args.interval, 15) * share * args.minutes * 60))
+        together = args.side_by_side
         limit = args.minutes * 60 * 3 + 60  # each run: a faulty one may take 3x the fault-free time
         restarts = int(limit / args.kill_every) + 2
         extra = [x for kv in args.set for x in ("--set", kv)]
         print(f"{steps} steps a run (2 processes, tiny model, checkpoint.interval {args.interval}), "
               f"a SIGKILL every {args.kill_every:g} s")
-        clean = run(meshrun_cmd(work, "clean", steps, args.interval, 0, extra), work / "clean",
-                    marker=None, kill_every=None, timeout=limit, log=work / "clean.log")
-        faulty = run(meshrun_cmd(work, "faulty", steps, args.interval, restarts, extra), work / "faulty",
-                     marker=None, kill_every=args.kill_every, timeout=limit, log=work / "faulty.log")
-        summary("meshrun (exact)", clean, faulty)
+        clean, faulty = pair(
+            {"cmd": meshrun_cmd(work, "clean", steps, args.interval, 0, extra), "run_dir": work / "clean",
+             "marker": None, "kill_every": None, "timeout": limit, "log": work / "clean.log"},
+            {"cmd": meshrun_cmd(work, "faulty", steps, args.interval, restarts, extra), "run_dir": work / "faulty",
+             "marker": None, "kill_every": args.kill_every, "timeout": limit, "log": work / "faulty.log"}, together)
+        summary("meshrun (exact)", clean, faulty, together)
         if clean["finished"] and faulty["finished"]:
             equal = same_weights(work / "clean" / "model.pt", work / "faulty" / "model.pt")
             print(f"  final model.pt bitwise equal to the fault-free run's: {'yes' if equal else 'NO'}")
@@ -286,12 +313,13 @@ def main() -> int:
                        marker=None, kill_every=args.kill_every, timeout=limit, log=work / "disk-only.log")
             summary("meshrun (exact), disk checkpoints only", clean, disk)
         if not args.skip_baseline:
-            base_clean = run(baseline_cmd(work / "base-clean", steps, args.interval, 0), work / "base-clean",
-                             marker="torchrun_dcp.py", kill_every=None, timeout=limit, log=work / "base-clean.log")
-            base_faulty = run(baseline_cmd(work / "base-faulty", steps, args.interval, restarts), work / "base-faulty",
-                              marker="torchrun_dcp.py", kill_every=args.kill_every, timeout=limit,
-                              log=work / "base-faulty.log")
-            summary("torchrun + DCP (the guide's way)", base_clean, base_faulty)
+            base_clean, base_faulty = pair(
+                {"cmd": baseline_cmd(work / "base-clean", steps, args.interval, 0), "run_dir": work / "base-clean",
+                 "marker": "torchrun_dcp.py", "kill_every": None, "timeout": limit, "log": work / "base-clean.log"},
+                {"cmd": baseline_cmd(work / "base-faulty", steps, args.interval, restarts),
+                 "run_dir": work / "base-faulty", "marker": "torchrun_dcp.py", "kill_every": args.kill_every,
+                 "timeout": limit, "log": work / "base-faulty.log"}, together)
+            summary("torchrun + DCP (the guide's way)", base_clean, base_faulty, together)
         print(f"load average after: {Path('/proc/loadavg').read_text().split()[:3]}")
     finally:
         if not args.keep:
