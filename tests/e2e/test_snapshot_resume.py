@@ -105,11 +105,17 @@ def test_repeated_sigkills_resume_from_memory_bitwise_and_exactly_once(tmp_path)
     starts = [e for e in events if e["event"] == "worker_start"]
     assert len(starts) == 2 * (KILLS + 1), starts
     assert all(e["forkserver_threads"] == 1 for e in starts), starts  # pre-imported, and forked single-threaded
-    assert [e["source"] for e in resumed] == ["snapshot"] * KILLS, resumed
+    # From memory every time, except where memory held nothing newer than the disk checkpoint: a
+    # kill during the snapshot right after a disk save (a loaded machine drifts from the target
+    # step) leaves both at the same step, and the disk copy is taken (checkpoint/snapshot.py).
+    tied = [e for e in resumed if e["source"] == "disk" and e["snapshot_step"] is not None
+            and e["snapshot_step"] <= e["step"]]
+    assert [e["source"] for e in resumed if e not in tied] == ["snapshot"] * (KILLS - len(tied)), resumed
+    assert len(tied) <= KILLS // 10, tied
     for kill, event in enumerate(resumed):  # the rank killed mid-step may not have its snapshot of that step
         assert killed_after[kill] - 1 <= event["step"] <= killed_after[kill] + 1, (killed_after, resumed)
         disk_step = int(event["disk"].split("-")[1]) if event["disk"] else 0
-        assert disk_step < event["step"], (killed_after, resumed)  # disk alone would redo more steps
+        assert disk_step < event["step"] or event in tied, (killed_after, resumed)  # disk alone would redo more
     assert "resumed from the in-memory snapshot of step" in out
 
     ref_w = torch.load(tmp_path / "ref" / "model.pt", weights_only=True)
