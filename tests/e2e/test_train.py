@@ -12,7 +12,7 @@ from conftest import EXAMPLES, TINY, Result, meshrun, metrics_records, train_tin
 # Each layout trains the tiny config once; the run-directory checks read the ddp2 run, and the
 # parity check compares them all (a launch costs far more than the 20 steps it runs).
 LAYOUT_RUNS = {
-    "ddp2": ["--nproc-per-node", "2", "--set", "train.batch_size=4"],
+    "ddp2": ["--nproc-per-node", "2", "--set", "train.batch_size=4", "--set", "metrics.charts=png"],
     "single": ["--nproc-per-node", "1", "--set", "train.batch_size=8"],
     "accum": ["--nproc-per-node", "1", "--set", "train.batch_size=4", "--set", "train.grad_accum=2"],
     "fsdp2": ["--nproc-per-node", "2", "--set", "train.batch_size=4", "--set", "parallel.strategy=fsdp"],

@@ -256,6 +256,7 @@ def test_override_key_and_type_errors(override, expected):
         ("checkpoint.keep=0", "checkpoint.keep must be >= 1, got 0"),
         ("checkpoint.resume=", "checkpoint.resume must be 'auto', 'never' or a checkpoint path, got ''"),
         ("metrics.interval=0", "metrics.interval must be >= 1, got 0"),
+        ("metrics.charts=jpg", "metrics.charts must be one of 'auto', 'png', 'svg', got 'jpg'"),
         ("launch.nproc_per_node=0", "launch.nproc_per_node must be 'auto' or >= 1, got 0"),
         ("launch.nproc_per_node=many", "launch.nproc_per_node must be 'auto' or >= 1, got 'many'"),
         ("launch.max_restarts=-1", "launch.max_restarts must be >= 0, got -1"),

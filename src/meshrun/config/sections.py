@@ -6,6 +6,7 @@ Zero in a size field means "the named size's value"; each doc says what its 0 or
 
 from __future__ import annotations
 
+import importlib.util
 import re
 from dataclasses import dataclass, field, fields
 
@@ -211,10 +212,14 @@ class MetricsSection(Section):
     tensorboard: bool = doc_field(True, "Also write TensorBoard events, when tensorboard is installed (best effort; 'tensorboard' in trackers makes it required).")
     jsonl: bool = doc_field(True, "Write <run dir>/metrics.jsonl, one JSON object per row.")
     trackers: str = doc_field("", "Experiment trackers, rank 0, local files by default: any of 'tensorboard', 'mlflow', 'wandb', 'trackio', e.g. [\"mlflow\", \"wandb\"]; [] = none besides tensorboard above.", list_ok=True)
+    charts: str = doc_field("auto", "Charts of the report written at the end of a run: 'png' (matplotlib), 'svg' (drawn inline, no matplotlib: about a second less) or 'auto' (png when matplotlib is installed).")
 
     def validate(self) -> None:
         self.at_least("interval", 1)
         check_tracker_names(self.trackers)
+        self.one_of("charts", ("auto", "png", "svg"))
+        self.require("charts", self.charts != "png" or importlib.util.find_spec("matplotlib") is not None,
+                     "'auto' or 'svg' without matplotlib (pip install 'meshrun[report]' for PNG charts)")
 
     @property
     def tracker_names(self) -> tuple[str, ...]:

@@ -283,9 +283,10 @@ def write_report(run_dir: str | Path, out_dir: str | Path | None = None, *,
                   skipped_lines=run.skipped_lines, profiles=profiles)
 
 
-def render_report(run_dir: str | Path, out_dir: str | Path | None = None) -> Path:
+def render_report(run_dir: str | Path, out_dir: str | Path | None = None, image_format: str = "auto") -> Path:
     """Write the charts and report.html for `run_dir` (into it by default); return report.html's path.
 
-    The trainer calls this at the end of a run so the run directory holds its curves.
+    The trainer calls this at the end of a run (image_format: `metrics.charts`) so the run
+    directory holds its curves.
     """
-    return write_report(run_dir, out_dir).html
+    return write_report(run_dir, out_dir, image_format=image_format).html

@@ -92,7 +92,7 @@ def _finish_report(cfg, run_dir: Path, result) -> None:
         from meshrun.report import render_report
 
         try:
-            note += f", report {render_report(run_dir).name}"
+            note += f", report {render_report(run_dir, image_format=cfg.metrics.charts).name}"
         except MeshrunError as exc:
             note += f"; no report: {exc}"
     print(note + ")")
