@@ -248,7 +248,7 @@ def write_report(run_dir: str | Path, out_dir: str | Path | None = None, *,
     if image_format not in ("auto", "png", "svg"):
         raise ReportError(f"image format must be auto, png or svg, got {image_format!r}")
     run = load_run(run_dir)
-    have_mpl = matplotlib_available()
+    have_mpl = image_format != "svg" and matplotlib_available()  # svg: matplotlib is not even imported
     if image_format == "png" and not have_mpl:
         raise ReportError("PNG charts need matplotlib: pip install matplotlib (or use SVG charts)")
     fmt = "png" if image_format == "png" or (image_format == "auto" and have_mpl) else "svg"
