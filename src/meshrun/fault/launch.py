@@ -45,14 +45,36 @@ def group_dir(run_dir: Path, group: int) -> Path:
     return run_dir if group == 0 else run_dir / GROUP_DIR.format(group=group)
 
 
-def _group_command(cfg: JobConfig, plan, run_dir: Path, group: int) -> list[str]:
+# The launch flags each group's agent takes as the user gave them (on the command line or in [launch]),
+# when not at their defaults. The others are the launcher's per group: --nproc-per-node is
+# fault.group_size, --log-dir a folder per group, and nodes and rendezvous are each group's own.
+GROUP_FLAGS = {"max_restarts": "--max-restarts", "monitor_interval": "--monitor-interval",
+               "start_method": "--start-method", "redirects": "--redirects", "tee": "--tee",
+               "local_ranks_filter": "--local-ranks-filter", "signals_to_handle": "--signals-to-handle",
+               "shutdown_timeout": "--shutdown-timeout", "hang_timeout": "--hang-timeout", "debug": "--debug"}
+GROUP_SWITCHES = {"rank0_only": "--rank0-only", "no_prefix": "--no-prefix", "verbose": "--verbose"}
+
+
+def group_launch_flags(options) -> list[str]:
+    """The user's per-group launch flags (GROUP_FLAGS, GROUP_SWITCHES) from `meshrun train`'s options."""
+    from meshrun.launch.args import build_parser
+
+    defaults = build_parser()
+    flags = ["--max-restarts", str(options.max_restarts)]  # always: a group restarts on its own
+    for dest, flag in GROUP_FLAGS.items():
+        value = getattr(options, dest, None)
+        if dest != "max_restarts" and value not in (None, "") and value != defaults.get_default(dest):
+            flags += [flag, str(value)]
+    return flags + [flag for dest, flag in GROUP_SWITCHES.items() if getattr(options, dest, False)]
+
+
+def group_command(cfg: JobConfig, plan, run_dir: Path, group: int) -> list[str]:
     """`meshrun launch` of one group's workers: the worker arguments `meshrun train` chose, in its directory."""
     log_dir = Path(plan.log_dir or run_dir / "logs") / GROUP_DIR.format(group=group)
     worker_args = list(plan.options.training_script_args)  # --run-dir RUN_DIR --resume ... [--profile ...]
     worker_args[worker_args.index("--run-dir") + 1] = str(group_dir(run_dir, group))
     return [sys.executable, "-m", "meshrun", "launch", "--nproc-per-node", str(cfg.fault.group_size),
-            "--max-restarts", str(plan.options.max_restarts), "--log-dir", str(log_dir),
-            "-m", "meshrun.train.worker", *worker_args]
+            *group_launch_flags(plan.options), "--log-dir", str(log_dir), "-m", "meshrun.train.worker", *worker_args]
 
 
 def run_replica_groups(cfg: JobConfig, plan, run_dir: Path) -> int:
@@ -92,7 +114,7 @@ def run_replica_groups(cfg: JobConfig, plan, run_dir: Path) -> int:
                 gdir.mkdir(exist_ok=True)
                 shutil.copyfile(run_dir / CONFIG_FILE, gdir / CONFIG_FILE)
             out = None if group == 0 else open(records / f"launch-g{group}.out", "ab")  # noqa: SIM115
-            children.append(subprocess.Popen(_group_command(cfg, plan, run_dir, group),
+            children.append(subprocess.Popen(group_command(cfg, plan, run_dir, group),
                                              env={**env, GROUP_ENV: str(group)}, stdout=out,
                                              stderr=subprocess.STDOUT if out else None))
         codes = [child.wait() for child in children]
