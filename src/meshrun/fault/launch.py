@@ -23,6 +23,7 @@ import sys
 import time
 from pathlib import Path
 
+from meshrun.checkpoint.runs import CONFIG_FILE, FINAL_WEIGHTS, finished_step, write_finished
 from meshrun.config import JobConfig
 from meshrun.errors import ConfigError
 from meshrun.extras import import_extra
@@ -36,7 +37,6 @@ from meshrun.fault.settings import (
     RECORDS_ENV,
 )
 
-CONFIG_FILE = "config.toml"  # as meshrun.train.worker reads it
 QUORUM_TICK_MS = 10  # how often the lighthouse re-checks a pending quorum
 STOP_GRACE_S = 30.0  # after SIGTERM, how long a group's agent gets to stop its workers
 
@@ -122,7 +122,8 @@ def run_replica_groups(cfg: JobConfig, plan, run_dir: Path) -> int:
         signal.signal(signal.SIGTERM, previous)
         _stop(children)
         lighthouse.shutdown()
-    summary = summarize(records, fault.replica_groups, codes, seconds=time.time() - started)
+    writer = publish_final_weights(run_dir, fault.replica_groups, cfg.train.steps)
+    summary = summarize(records, fault.replica_groups, codes, seconds=time.time() - started, weights_by=writer)
     (records / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     for line in summary["lines"]:
         print(f"meshrun train: torchft: {line}", file=sys.stderr)
@@ -145,7 +146,32 @@ def _stop(children: list[subprocess.Popen]) -> None:
             child.wait()
 
 
-def summarize(records: Path, num_groups: int, codes: list[int], *, seconds: float) -> dict:
+def final_weights_group(finished: dict[int, int | None], steps: int) -> int | None:
+    """The group whose model.pt is the run's: one that finished all `steps` (its finished.json says so;
+    every step it committed was agreed in a quorum, so such groups hold the same weights), group 0
+    when it did, else the lowest; None when no group finished. `finished`: group -> finished_step."""
+    return min((group for group, step in finished.items() if step == steps), default=None)
+
+
+def publish_final_weights(run_dir: Path, num_groups: int, steps: int) -> int | None:
+    """Make `<run dir>/model.pt` the final weights of a group that finished, and return that group.
+
+    Group 0 writes them there itself; when it did not finish (it ran out of restarts while the
+    others trained on), a finished group's model.pt and finished.json are copied there (atomically,
+    model.pt first, as the trainer writes them), so the run's result is where a user looks for it
+    and a re-run of the same command sees a finished run."""
+    finished = {group: finished_step(group_dir(run_dir, group)) for group in range(num_groups)}
+    writer = final_weights_group(finished, steps)
+    if writer:
+        tmp = run_dir / (FINAL_WEIGHTS + ".tmp")
+        shutil.copyfile(group_dir(run_dir, writer) / FINAL_WEIGHTS, tmp)
+        os.replace(tmp, run_dir / FINAL_WEIGHTS)
+        write_finished(run_dir, steps)
+    return writer
+
+
+def summarize(records: Path, num_groups: int, codes: list[int], *, seconds: float,
+              weights_by: int | None = None) -> dict:
     """What the run's records say: per group its starts, heals and commits; the data check."""
     events = ledger.read_events(records)
     acc = ledger.account(ledger.read_ledgers(records), num_groups)
@@ -163,7 +189,11 @@ def summarize(records: Path, num_groups: int, codes: list[int], *, seconds: floa
                      f"{len(heals)} heal(s){' (' + heal_text + ')' if heals else ''}, "
                      f"{acc.by_group.get(group, 0)} steps committed ({acc.alone.get(group, 0)} with fewer groups)")
     lines.append(ledger.describe(acc))
-    return {"seconds": round(seconds, 2), "groups": groups, "steps": acc.steps, "samples": acc.samples,
+    lines.append("final weights: none written, no group finished" if weights_by is None else
+                 f"final weights {FINAL_WEIGHTS} written by group {weights_by}"
+                 + ("" if weights_by == 0 else f" ({GROUP_DIR.format(group=weights_by)}/{FINAL_WEIGHTS}; group 0 "
+                                                "did not finish)"))
+    return {"seconds": round(seconds, 2), "final_weights_group": weights_by, "groups": groups, "steps": acc.steps, "samples": acc.samples,
             "exact": acc.exact, "gaps": acc.gaps, "overlaps": acc.overlaps, "superseded": acc.superseded,
             "weights_compared": acc.weights_compared, "weights_differ": acc.weights_differ,
             "lines": lines}
