@@ -194,6 +194,6 @@ def summarize(records: Path, num_groups: int, codes: list[int], *, seconds: floa
                  + ("" if weights_by == 0 else f" ({GROUP_DIR.format(group=weights_by)}/{FINAL_WEIGHTS}; group 0 "
                                                 "did not finish)"))
     return {"seconds": round(seconds, 2), "final_weights_group": weights_by, "groups": groups, "steps": acc.steps, "samples": acc.samples,
-            "exact": acc.exact, "gaps": acc.gaps, "overlaps": acc.overlaps, "superseded": acc.superseded,
+            "exact": acc.exact, "gaps": acc.gaps, "overlaps": acc.overlaps, "dropped": acc.dropped, "superseded": acc.superseded,
             "weights_compared": acc.weights_compared, "weights_differ": acc.weights_differ,
             "lines": lines}

@@ -259,6 +259,8 @@ class Replica:
         row = {"step": step, "group": self.group, "pid": os.getpid(), "time": round(time.time(), 4),
                "participants": self.manager.num_participants(), "epoch0": before["epoch"], "pos0": before["consumed"],
                "epoch1": after["epoch"], "pos1": after["consumed"], "epoch_end": before["num_samples"]}
+        if after["epoch"] != before["epoch"]:  # past the epoch's end: where its samples stopped
+            row["end0"] = ledger.epoch_end_taken(before, self.state.train_loader.dataloader.batch_size)
         if self._fingerprint_next:  # groups in one quorum hold equal weights: the rows of a step must agree
             self._fingerprint_next = False
             row["weights_sum"] = weights_sum(self.module)
