@@ -4,20 +4,17 @@
     python benchmarks/goodput.py --minutes 0.5 --kill-every 10 --skip-baseline
     python benchmarks/goodput.py --side-by-side                # each pair at once: for a shared machine
 
-1. Calibration (about 20 s): a fault-free `meshrun train` (2 processes, examples/configs/tiny.toml,
-   checkpoint.interval 5) gives its steps/s, hence S = the steps a fault-free run does in --minutes.
-2. meshrun, S steps without faults, then the same S steps with a SIGKILL of a random worker every
-   --kill-every seconds, once the job has completed a step since the last recovery began
-   (--max-restarts large enough). Goodput = useful tokens/s with faults / without
-   = (launch -> step S, fault-free) / (launch -> step S, with kills). The final model.pt files must be
-   bitwise equal. With --side-by-side the two runs start together and share the machine (and
-   whatever else loads it); goodput is then the faulty run's step when the fault-free one ended,
-   divided by S, both after the same seconds.
-3. The guide's way, the same two runs: plain `torchrun` + DCP every checkpoint.interval steps
-   (benchmarks/torchrun_dcp.py).
+1. Calibration (about 20 s): a fault-free `meshrun train` (2 processes, examples/configs/tiny.toml, checkpoint.interval 5)
+   gives its steps/s, hence S = the steps a fault-free run does in --minutes.
+2. meshrun, S steps without faults, then the same S steps with a SIGKILL of a random worker every --kill-every s, once
+   the job has completed a step since the last recovery began (--max-restarts large enough). Goodput = useful tokens/s
+   with faults / without = (launch -> step S, fault-free) / (launch -> step S, with kills); model.pt bitwise equal.
+   --side-by-side starts the two runs together, sharing the machine and whatever else loads it; goodput is then the
+   faulty run's step when the fault-free one ended, divided by S (the same seconds for both).
+3. The guide's way, the same two runs: plain `torchrun` + DCP every checkpoint.interval steps (benchmarks/torchrun_dcp.py).
 
-Each recovery is split, from the kill time, /proc and what the run writes (events.jsonl, rank 0's
-metrics.jsonl rows, one per step), into the parts issue 15 names:
+Each recovery is split, from the kill time, /proc and what the run writes (events.jsonl, rank 0's metrics.jsonl rows,
+one per step), into the parts issue 15 names:
   detect    kill -> the surviving worker has exited (the agent's poll, SIGTERM to the survivor)
   rdzv      -> the new workers' processes exist (the agent's rendezvous round, then fork or exec)
   start     -> meshrun's worker entry has read the config (a forked worker: ~0; exec'd: Python's start)
@@ -27,8 +24,7 @@ metrics.jsonl rows, one per step), into the parts issue 15 names:
   load      the state: the in-memory snapshot or the disk checkpoint, agreed and loaded
   first     -> the first completed step
   redo      steps recomputed (completed before the kill, done again)
-  total     kill -> next completed step
-Processes are bounded by timeouts and stopped by pid, never by name.
+  total     kill -> next completed step              (processes are bounded by timeouts, stopped by pid, never by name)
 """
 
 from __future__ import annotations
@@ -37,6 +33,7 @@ import argparse
 import json
 import os
 import random
+import shutil
 import signal
 import statistics
 import subprocess
@@ -99,12 +96,10 @@ def _train_rows(run_dir: Path) -> list[dict]:
     rows = []
     for line in lines:
         try:
-            row = json.loads(line)
-        except ValueError:
-            continue
-        if row.get("kind") == "train":
-            rows.append(row)
-    return rows
+            rows.append(json.loads(line))
+        except ValueError:  # a row still being written
+            pass
+    return [row for row in rows if row.get("kind") == "train"]
 
 
 def run(cmd: list[str], run_dir: Path, *, marker: str | None, kill_every: float | None, timeout: float,
@@ -264,7 +259,6 @@ def calibrate(work: Path, interval: int, seconds: float) -> float:
 
 def same_weights(a: Path, b: Path) -> bool:
     import torch
-
     wa, wb = torch.load(a, weights_only=True), torch.load(b, weights_only=True)
     return wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
 
@@ -285,10 +279,14 @@ def main() -> int:
     parser.add_argument("--side-by-side", action="store_true",
                         help="run each fault-free run at the same time as its faulty run (half the machine each, "
                              "the same load from other jobs: the ratio holds on a shared machine)")
+    parser.add_argument("--mode", choices=("exact", "torchft"), default="exact", help="fault.mode (default exact; torchft: goodput_torchft.py)")
     args = parser.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # `timeout` too: the finally blocks stop the runs
     work = Path(tempfile.mkdtemp(prefix="meshrun-goodput-"))
     print(f"load average before: {Path('/proc/loadavg').read_text().split()[:3]}; work dir {work}")
+    if args.mode == "torchft":
+        import goodput_torchft
+        return goodput_torchft.main(args, work)  # the torchft mode's runs, summary and clean-up
     try:
         share = 0.5 if args.side_by_side else 1.0  # two runs at once: each about half as fast
         steps = args.steps or max(20, round(calibrate(work, args.interval, 15) * share * args.minutes * 60))
@@ -323,8 +321,6 @@ def main() -> int:
         print(f"load average after: {Path('/proc/loadavg').read_text().split()[:3]}")
     finally:
         if not args.keep:
-            import shutil
-
             shutil.rmtree(work, ignore_errors=True)
     return 0
 

@@ -95,3 +95,38 @@ def test_ledger_reads_rows_back_and_skips_a_torn_line(tmp_path):
     assert [r["step"] for r in ledger.read_ledgers(tmp_path)] == [1]
     assert ledger.read_events(tmp_path)[0]["to_step"] == 5
 
+
+
+def test_ledger_is_exact_at_an_epoch_boundary():
+    """A step that runs past the end of epoch 0 (50 samples, 2 ranks, batches of 4, two batches a
+    step): the real loaders take epoch 0's positions [40, 48) and epoch 1's [0, 8); [48, 50) fills
+    no whole batch and is skipped in epoch 0. The row says so, and the ledger tiles exactly."""
+    import torch
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from meshrun.data.loader import InfiniteLoader
+    from meshrun.data.sampler import ResumableDistributedSampler
+
+    loaders = [InfiniteLoader(DataLoader(TensorDataset(torch.arange(50)), batch_size=4, drop_last=True,
+                                         sampler=ResumableDistributedSampler(50, num_replicas=2, rank=r, seed=0)))
+               for r in range(2)]
+    for loader in loaders:
+        loader.load_state_dict({**loader.state_dict(), "epoch": 0, "consumed": 40})
+    before = loaders[0].state_dict()
+    taken = [[next(loader)[0].tolist() for _ in range(2)] for loader in loaders]  # one step: 2 batches a rank
+    after = loaders[0].state_dict()
+    order = loaders[0].sampler
+    assert sorted(taken[0][0] + taken[1][0]) == sorted(order.epoch_order(0)[40:48].tolist())
+    assert sorted(taken[0][1] + taken[1][1]) == sorted(order.epoch_order(1)[0:8].tolist())
+    assert (after["epoch"], after["consumed"]) == (1, 8)
+
+    end0 = ledger.epoch_end_taken(before, batch_size=4)
+    assert end0 == 48
+    rows = [_row(1, 0, 0, 40), _row(2, 0, 40, 8, epoch_end=50, end0=end0) | {"epoch1": 1},
+            _row(3, 0, 8, 24, epoch=1, epoch_end=50)]
+    acc = ledger.account(rows)
+    assert acc.exact and acc.samples == 48 + 24 and acc.covered == {0: 48, 1: 24}
+    assert acc.dropped == [(0, 48, 50)]
+    assert "skipped in it: epoch 0 [48, 50)" in ledger.describe(acc)
+    # The same step as an older meshrun wrote it (no end0): the tail counts as taken, as before.
+    assert ledger.account([rows[0], {k: v for k, v in rows[1].items() if k != "end0"}, rows[2]]).covered[0] == 50

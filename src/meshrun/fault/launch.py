@@ -23,6 +23,7 @@ import sys
 import time
 from pathlib import Path
 
+from meshrun.checkpoint.runs import CONFIG_FILE, FINAL_WEIGHTS, finished_step, write_finished
 from meshrun.config import JobConfig
 from meshrun.errors import ConfigError
 from meshrun.extras import import_extra
@@ -36,7 +37,6 @@ from meshrun.fault.settings import (
     RECORDS_ENV,
 )
 
-CONFIG_FILE = "config.toml"  # as meshrun.train.worker reads it
 QUORUM_TICK_MS = 10  # how often the lighthouse re-checks a pending quorum
 STOP_GRACE_S = 30.0  # after SIGTERM, how long a group's agent gets to stop its workers
 
@@ -45,14 +45,36 @@ def group_dir(run_dir: Path, group: int) -> Path:
     return run_dir if group == 0 else run_dir / GROUP_DIR.format(group=group)
 
 
-def _group_command(cfg: JobConfig, plan, run_dir: Path, group: int) -> list[str]:
+# The launch flags each group's agent takes as the user gave them (on the command line or in [launch]),
+# when not at their defaults. The others are the launcher's per group: --nproc-per-node is
+# fault.group_size, --log-dir a folder per group, and nodes and rendezvous are each group's own.
+GROUP_FLAGS = {"max_restarts": "--max-restarts", "monitor_interval": "--monitor-interval",
+               "start_method": "--start-method", "redirects": "--redirects", "tee": "--tee",
+               "local_ranks_filter": "--local-ranks-filter", "signals_to_handle": "--signals-to-handle",
+               "shutdown_timeout": "--shutdown-timeout", "hang_timeout": "--hang-timeout", "debug": "--debug"}
+GROUP_SWITCHES = {"rank0_only": "--rank0-only", "no_prefix": "--no-prefix", "verbose": "--verbose"}
+
+
+def group_launch_flags(options) -> list[str]:
+    """The user's per-group launch flags (GROUP_FLAGS, GROUP_SWITCHES) from `meshrun train`'s options."""
+    from meshrun.launch.args import build_parser
+
+    defaults = build_parser()
+    flags = ["--max-restarts", str(options.max_restarts)]  # always: a group restarts on its own
+    for dest, flag in GROUP_FLAGS.items():
+        value = getattr(options, dest, None)
+        if dest != "max_restarts" and value not in (None, "") and value != defaults.get_default(dest):
+            flags += [flag, str(value)]
+    return flags + [flag for dest, flag in GROUP_SWITCHES.items() if getattr(options, dest, False)]
+
+
+def group_command(cfg: JobConfig, plan, run_dir: Path, group: int) -> list[str]:
     """`meshrun launch` of one group's workers: the worker arguments `meshrun train` chose, in its directory."""
     log_dir = Path(plan.log_dir or run_dir / "logs") / GROUP_DIR.format(group=group)
     worker_args = list(plan.options.training_script_args)  # --run-dir RUN_DIR --resume ... [--profile ...]
     worker_args[worker_args.index("--run-dir") + 1] = str(group_dir(run_dir, group))
     return [sys.executable, "-m", "meshrun", "launch", "--nproc-per-node", str(cfg.fault.group_size),
-            "--max-restarts", str(plan.options.max_restarts), "--log-dir", str(log_dir),
-            "-m", "meshrun.train.worker", *worker_args]
+            *group_launch_flags(plan.options), "--log-dir", str(log_dir), "-m", "meshrun.train.worker", *worker_args]
 
 
 def run_replica_groups(cfg: JobConfig, plan, run_dir: Path) -> int:
@@ -92,7 +114,7 @@ def run_replica_groups(cfg: JobConfig, plan, run_dir: Path) -> int:
                 gdir.mkdir(exist_ok=True)
                 shutil.copyfile(run_dir / CONFIG_FILE, gdir / CONFIG_FILE)
             out = None if group == 0 else open(records / f"launch-g{group}.out", "ab")  # noqa: SIM115
-            children.append(subprocess.Popen(_group_command(cfg, plan, run_dir, group),
+            children.append(subprocess.Popen(group_command(cfg, plan, run_dir, group),
                                              env={**env, GROUP_ENV: str(group)}, stdout=out,
                                              stderr=subprocess.STDOUT if out else None))
         codes = [child.wait() for child in children]
@@ -100,7 +122,8 @@ def run_replica_groups(cfg: JobConfig, plan, run_dir: Path) -> int:
         signal.signal(signal.SIGTERM, previous)
         _stop(children)
         lighthouse.shutdown()
-    summary = summarize(records, fault.replica_groups, codes, seconds=time.time() - started)
+    writer = publish_final_weights(run_dir, fault.replica_groups, cfg.train.steps)
+    summary = summarize(records, fault.replica_groups, codes, seconds=time.time() - started, weights_by=writer)
     (records / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     for line in summary["lines"]:
         print(f"meshrun train: torchft: {line}", file=sys.stderr)
@@ -123,7 +146,32 @@ def _stop(children: list[subprocess.Popen]) -> None:
             child.wait()
 
 
-def summarize(records: Path, num_groups: int, codes: list[int], *, seconds: float) -> dict:
+def final_weights_group(finished: dict[int, int | None], steps: int) -> int | None:
+    """The group whose model.pt is the run's: one that finished all `steps` (its finished.json says so;
+    every step it committed was agreed in a quorum, so such groups hold the same weights), group 0
+    when it did, else the lowest; None when no group finished. `finished`: group -> finished_step."""
+    return min((group for group, step in finished.items() if step == steps), default=None)
+
+
+def publish_final_weights(run_dir: Path, num_groups: int, steps: int) -> int | None:
+    """Make `<run dir>/model.pt` the final weights of a group that finished, and return that group.
+
+    Group 0 writes them there itself; when it did not finish (it ran out of restarts while the
+    others trained on), a finished group's model.pt and finished.json are copied there (atomically,
+    model.pt first, as the trainer writes them), so the run's result is where a user looks for it
+    and a re-run of the same command sees a finished run."""
+    finished = {group: finished_step(group_dir(run_dir, group)) for group in range(num_groups)}
+    writer = final_weights_group(finished, steps)
+    if writer:
+        tmp = run_dir / (FINAL_WEIGHTS + ".tmp")
+        shutil.copyfile(group_dir(run_dir, writer) / FINAL_WEIGHTS, tmp)
+        os.replace(tmp, run_dir / FINAL_WEIGHTS)
+        write_finished(run_dir, steps)
+    return writer
+
+
+def summarize(records: Path, num_groups: int, codes: list[int], *, seconds: float,
+              weights_by: int | None = None) -> dict:
     """What the run's records say: per group its starts, heals and commits; the data check."""
     events = ledger.read_events(records)
     acc = ledger.account(ledger.read_ledgers(records), num_groups)
@@ -141,7 +189,11 @@ def summarize(records: Path, num_groups: int, codes: list[int], *, seconds: floa
                      f"{len(heals)} heal(s){' (' + heal_text + ')' if heals else ''}, "
                      f"{acc.by_group.get(group, 0)} steps committed ({acc.alone.get(group, 0)} with fewer groups)")
     lines.append(ledger.describe(acc))
-    return {"seconds": round(seconds, 2), "groups": groups, "steps": acc.steps, "samples": acc.samples,
-            "exact": acc.exact, "gaps": acc.gaps, "overlaps": acc.overlaps, "superseded": acc.superseded,
+    lines.append("final weights: none written, no group finished" if weights_by is None else
+                 f"final weights {FINAL_WEIGHTS} written by group {weights_by}"
+                 + ("" if weights_by == 0 else f" ({GROUP_DIR.format(group=weights_by)}/{FINAL_WEIGHTS}; group 0 "
+                                                "did not finish)"))
+    return {"seconds": round(seconds, 2), "final_weights_group": weights_by, "groups": groups, "steps": acc.steps, "samples": acc.samples,
+            "exact": acc.exact, "gaps": acc.gaps, "overlaps": acc.overlaps, "dropped": acc.dropped, "superseded": acc.superseded,
             "weights_compared": acc.weights_compared, "weights_differ": acc.weights_differ,
             "lines": lines}

@@ -8,6 +8,12 @@ starts go to `events.jsonl` there. `account()` reads them back (torch-free) and 
 the committed steps tile each epoch's order from 0 with no gap and no overlap, i.e. whether every
 sample was seen exactly once; a gap or overlap is listed by epoch and position.
 
+A step that runs past the end of an epoch takes that epoch's samples only up to `end0`
+(`epoch_end_taken`): the sampler and the DataLoader both drop what fills no whole batch on every
+rank, so the epoch's last few positions `[end0, epoch_end)` are skipped in that epoch (by any
+run, exact mode too: later epochs reshuffle them in). `account()` lists them apart, as dropped,
+neither lost nor seen.
+
 A step that two lineages committed (a group committed it, then died, and the survivor, which had
 not, committed it again with a smaller quorum) keeps the last row: the survivor's state is the
 one later steps build on.
@@ -37,6 +43,19 @@ def append_row(path: Path, row: dict) -> None:
 
 def record_event(records: Path, event: str, **fields) -> None:
     append_row(records / EVENTS_FILE, {"event": event, "time": round(time.time(), 4), "pid": os.getpid(), **fields})
+
+
+def epoch_end_taken(before: dict, batch_size: int) -> int:
+    """Where a step that ran past its epoch's end stopped taking that epoch's samples.
+
+    `before`: the loader's state at the step's start (meshrun.data.sampler's format). From global
+    position pos0, each of the R ranks gets floor((n - pos0) / R) more items of the epoch (the
+    sampler drops the rest, drop_last) and the DataLoader delivers whole batches of them only
+    (drop_last), so the ranks take R * b * floor(floor((n - pos0) / R) / b) more positions, in lock
+    step; [that, n) is never delivered. The same holds from the pass's start, whose delivered
+    batches are whole: pos0 - start is a multiple of R * b."""
+    n, pos0, ranks = before["num_samples"], before["consumed"], before["num_replicas"]
+    return pos0 + ranks * batch_size * ((n - pos0) // ranks // batch_size)
 
 
 def ledger_path(records: Path, group: int) -> Path:
@@ -71,6 +90,7 @@ class Accounting:
     covered: dict[int, int] = field(default_factory=dict)  # epoch -> end of its covered prefix
     gaps: list[tuple[int, int, int]] = field(default_factory=list)  # (epoch, start, end): never committed
     overlaps: list[tuple[int, int, int]] = field(default_factory=list)  # (epoch, start, end): committed twice
+    dropped: list[tuple[int, int, int]] = field(default_factory=list)  # (epoch, start, end): an epoch's tail, no whole batch
     superseded: int = 0  # rows of a step replaced by a later commit of it
     by_group: dict[int, int] = field(default_factory=dict)  # group -> steps it committed
     alone: dict[int, int] = field(default_factory=dict)  # group -> steps committed with a smaller quorum
@@ -83,10 +103,18 @@ class Accounting:
 
 
 def _pieces(row: dict) -> list[tuple[int, int, int]]:
-    """A step's slices (epoch, start, end); one that ran past an epoch's end has two."""
+    """A step's slices (epoch, start, end); one that ran past an epoch's end has two (a row without
+    end0, of an older meshrun, counts that epoch's tail as taken)."""
     if row["epoch0"] == row["epoch1"]:
         return [(row["epoch0"], row["pos0"], row["pos1"])]
-    return [(row["epoch0"], row["pos0"], row["epoch_end"]), (row["epoch1"], 0, row["pos1"])]
+    return [(row["epoch0"], row["pos0"], row.get("end0", row["epoch_end"])), (row["epoch1"], 0, row["pos1"])]
+
+
+def _tail(row: dict) -> tuple[int, int, int] | None:
+    """The positions of its first epoch that a step running past the epoch's end skipped."""
+    if row["epoch0"] == row["epoch1"] or row.get("end0", row["epoch_end"]) >= row["epoch_end"]:
+        return None
+    return row["epoch0"], row["end0"], row["epoch_end"]
 
 
 def account(rows: list[dict], num_groups: int | None = None) -> Accounting:
@@ -113,6 +141,9 @@ def account(rows: list[dict], num_groups: int | None = None) -> Accounting:
     for row in last.values():
         for epoch, start, end in _pieces(row):
             spans.setdefault(epoch, []).append((start, end))
+        tail = _tail(row)
+        if tail is not None:
+            result.dropped.append(tail)
     for epoch, pieces in sorted(spans.items()):
         reach = 0
         for start, end in sorted(pieces):
@@ -129,6 +160,9 @@ def account(rows: list[dict], num_groups: int | None = None) -> Accounting:
 def describe(acc: Accounting) -> str:
     """One line for the end summary."""
     where = ", ".join(f"epoch {e}: positions 0-{end}" for e, end in sorted(acc.covered.items()))
+    if acc.dropped:  # not a loss: the sampler's and DataLoader's drop_last, as in any run
+        where += "; an epoch's last positions that fill no whole batch, skipped in it: " + ", ".join(
+            f"epoch {e} [{a}, {b})" for e, a, b in sorted(acc.dropped))
     weights = (f"; weights equal across groups at {acc.weights_compared} checked step(s)" if not acc.weights_differ
                else f"; weights DIFFER across groups at steps {acc.weights_differ}")
     if acc.exact:

@@ -1,7 +1,8 @@
 """A worker of one replica group under torchft's Manager: the trainer's hook in torchft mode.
 
     steps = attach(cfg, env, layout, state, metrics=None)   # train/trainer.py, after the resume
-    for step in steps.steps(state, cfg.train.steps, metrics): ...
+    for step in steps.steps(state, cfg.train.steps, metrics):
+        ...; steps.step_done(checkpointer, state)             # the checkpointer's end of the step
 
 In exact mode `attach` returns `ExactSteps`, whose `steps` is the trainer's plain range. In torchft
 mode (meshrun.fault.launch started this group with REPLICA_GROUP_ID, NUM_REPLICA_GROUPS and
@@ -17,7 +18,8 @@ TORCHFT_LIGHTHOUSE) it returns a `Replica`, which before each step:
 
 and after it: a step the groups did not commit (torchft's `should_commit` said no, e.g. a peer
 died mid all-reduce) is rolled back (data position, LR schedule, step) and run again; a
-committed one is written to the ledger (ledger.py). Gradients are averaged within the group
+committed one goes to the checkpointer (`step_done`: interval and SIGTERM saves) and to the
+ledger (ledger.py); an uncommitted one reaches neither. Gradients are averaged within the group
 (the default process group) and then across the groups (torchft's reconfigurable gloo group,
 through its DDP comm hook).
 """
@@ -51,6 +53,9 @@ class ExactSteps:
 
     def steps(self, state, total: int, metrics=None):
         return range(state.step + 1, total + 1)
+
+    def step_done(self, checkpointer, state) -> None:
+        checkpointer.step_done(state)
 
 
 def attach(cfg, env, layout, state):
@@ -179,6 +184,17 @@ class Replica:
 
     # -- the loop -----------------------------------------------------------------------------
 
+    def step_done(self, checkpointer, state) -> None:
+        """The checkpointer's end of a step (interval save, SIGTERM save), for committed steps only.
+
+        A step the quorum did not commit is rolled back and run again (`steps`): saved now, its
+        checkpoint would hold the step number, data position and LR schedule of a step whose
+        optimizer update never happened, and the retry, at the same step, would not save again.
+        Every rank of the quorum gets the same answer from should_commit, so the collectives in
+        step_done (the SIGTERM agreement) are skipped by all of the group or none."""
+        if self.optimizer.committed:
+            checkpointer.step_done(state)
+
     def steps(self, state, total: int, metrics=None):
         """The steps to run: each after a quorum (and a heal if behind), each again if not committed."""
         loader, schedulers = state.train_loader, state.schedulers
@@ -243,6 +259,8 @@ class Replica:
         row = {"step": step, "group": self.group, "pid": os.getpid(), "time": round(time.time(), 4),
                "participants": self.manager.num_participants(), "epoch0": before["epoch"], "pos0": before["consumed"],
                "epoch1": after["epoch"], "pos1": after["consumed"], "epoch_end": before["num_samples"]}
+        if after["epoch"] != before["epoch"]:  # past the epoch's end: where its samples stopped
+            row["end0"] = ledger.epoch_end_taken(before, self.state.train_loader.dataloader.batch_size)
         if self._fingerprint_next:  # groups in one quorum hold equal weights: the rows of a step must agree
             self._fingerprint_next = False
             row["weights_sum"] = weights_sum(self.module)

@@ -132,7 +132,7 @@ def _loop(run: _Run, cfg: JobConfig, env: DistEnv, run_dir: Path, profiler: Step
         _log_step(run, cfg, env, step, loss, grad_norm, lr, timing, metrics, progress)
         if tcfg.eval_interval and step % tcfg.eval_interval == 0 and step != tcfg.steps:
             _evaluate(run, cfg, step, metrics, progress)
-        run.checkpointer.step_done(state)  # every checkpoint.interval steps; SIGTERM: save, raise Preempted
+        run.fault.step_done(run.checkpointer, state)  # checkpoint every interval steps (torchft: if committed)
     profiler.close()
     run.checkpointer.finish(state)
     _evaluate(run, cfg, tcfg.steps, metrics, progress)

@@ -1,0 +1,47 @@
+"""torchft mode: the run's model.pt comes from a group that finished, also when group 0 did not
+(in-process, real files: what the launcher does after every group has ended)."""
+
+from __future__ import annotations
+
+from meshrun.checkpoint.runs import finished_step, write_finished
+from meshrun.fault.launch import final_weights_group, publish_final_weights, summarize
+
+
+def _finish(gdir, steps: int, weights: bytes) -> None:
+    gdir.mkdir(parents=True, exist_ok=True)
+    (gdir / "model.pt").write_bytes(weights)
+    write_finished(gdir, steps)
+
+
+def test_choice_prefers_group_0_then_the_lowest_group_that_finished():
+    assert final_weights_group({0: 50, 1: 50, 2: 50}, 50) == 0
+    assert final_weights_group({0: None, 1: None, 2: 50}, 50) == 2
+    assert final_weights_group({0: None, 1: 50, 2: 50}, 50) == 1
+    assert final_weights_group({0: 30, 1: None}, 50) is None  # finished at another step: not this run's end
+    assert final_weights_group({0: None, 1: None}, 50) is None
+
+
+def test_group_1_publishes_when_group_0_ran_out_of_restarts(tmp_path):
+    run_dir = tmp_path / "run"
+    (run_dir / "torchft").mkdir(parents=True)
+    _finish(run_dir / "replica-1", 50, b"group 1 weights")
+    assert finished_step(run_dir) is None
+    assert publish_final_weights(run_dir, 2, 50) == 1
+    assert (run_dir / "model.pt").read_bytes() == b"group 1 weights" and finished_step(run_dir) == 50
+    summary = summarize(run_dir / "torchft", 2, [1, 0], seconds=1.0, weights_by=1)
+    assert summary["final_weights_group"] == 1
+    assert summary["lines"][-1] == ("final weights model.pt written by group 1 (replica-1/model.pt; "
+                                    "group 0 did not finish)")
+
+
+def test_group_0_keeps_its_own_and_nothing_finished_writes_nothing(tmp_path):
+    run_dir = tmp_path / "run"
+    _finish(run_dir, 50, b"group 0 weights")
+    _finish(run_dir / "replica-1", 50, b"group 1 weights")
+    assert publish_final_weights(run_dir, 2, 50) == 0
+    assert (run_dir / "model.pt").read_bytes() == b"group 0 weights"
+    empty = tmp_path / "empty"
+    (empty / "torchft").mkdir(parents=True)
+    assert publish_final_weights(empty, 2, 50) is None and not (empty / "model.pt").exists()
+    assert summarize(empty / "torchft", 2, [1, 1], seconds=1.0)["lines"][-1] == (
+        "final weights: none written, no group finished")
