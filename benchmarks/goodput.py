@@ -102,10 +102,12 @@ def _train_rows(run_dir: Path) -> list[dict]:
     return [row for row in rows if row.get("kind") == "train"]
 
 
-def run(cmd: list[str], run_dir: Path, *, marker: str | None, kill_every: float | None, timeout: float,
-        log: Path) -> dict:
-    """Start cmd, SIGKILL a random worker every kill_every seconds, wait for the end; kill records."""
-    run_dir.mkdir(parents=True, exist_ok=True)
+def supervise(cmd: list[str], name: str, *, kill_every: float | None, timeout: float, log: Path, act) -> dict:
+    """Start cmd (its own session, output to log) and wait for its end, stopping it past timeout.
+
+    Every poll, act(pid, kills, rng, due, deadline) may SIGKILL a worker (appending to kills); due
+    says kill_every has passed since the last try; act returns True when it tried. Both modes use it.
+    """
     with open(log, "w") as out:
         launched = time.time()
         proc = subprocess.Popen(cmd, env=ENV, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
@@ -115,24 +117,37 @@ def run(cmd: list[str], run_dir: Path, *, marker: str | None, kill_every: float 
             while not finished:
                 finished = proc.poll() is not None
                 if not finished and time.time() > launched + timeout:
-                    print(f"  {run_dir.name}: stopped unfinished after {timeout:.0f} s (--minutes bounds each run)")
+                    print(f"  {name}: stopped unfinished after {timeout:.0f} s (--minutes bounds each run)")
                     break
-                if kill_every and time.time() >= next_kill and _stepped_since(run_dir, kills):
-                    kill = _kill_one(proc.pid, marker, rng, launched + timeout)
-                    if kill is not None:
-                        kills.append(kill)
+                if act(proc.pid, kills, rng, bool(kill_every) and time.time() >= next_kill, launched + timeout):
                     next_kill = max(next_kill + kill_every, time.time() + 1)
                 time.sleep(0.05)
         finally:
             _stop(proc)
     if finished and proc.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd[:3])} exited {proc.returncode}; see {log}")
+    return {"launched": launched, "kills": kills, "finished": finished}
+
+
+def run(cmd: list[str], run_dir: Path, *, marker: str | None, kill_every: float | None, timeout: float,
+        log: Path) -> dict:
+    """Start cmd, SIGKILL a random worker every kill_every seconds, wait for the end; kill records."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+
+    def act(pid: int, kills: list, rng: random.Random, due: bool, deadline: float) -> bool:
+        if not (due and _stepped_since(run_dir, kills)):
+            return False
+        kill = _kill_one(pid, marker, rng, deadline)
+        if kill is not None:
+            kills.append(kill)
+        return True
+
+    done = supervise(cmd, run_dir.name, kill_every=kill_every, timeout=timeout, log=log, act=act)
     rows = _train_rows(run_dir)
     if not rows:
         raise RuntimeError(f"{' '.join(cmd[:3])} completed no step; see {log}")
     last = max(rows, key=lambda r: r["step"])
-    return {"launched": launched, "kills": kills, "rows": rows, "events": read_events(run_dir),
-            "end": last["time"], "steps": last["step"], "finished": finished}
+    return {**done, "rows": rows, "events": read_events(run_dir), "end": last["time"], "steps": last["step"]}
 
 
 def pair(clean: dict, faulty: dict, together: bool) -> tuple[dict, dict]:

@@ -42,7 +42,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from goodput import BIN, ENV, REPO, _gone, _stop
+from goodput import BIN, ENV, REPO, _gone, _stop, supervise
 
 from meshrun.fault import ledger
 from meshrun.runtime.events import process_start_time
@@ -81,36 +81,26 @@ def _all_joined(rows: list[dict], events: list[dict], since: float) -> bool:
 
 def run(cmd: list[str], run_dir: Path, *, kill_every: float | None, timeout: float, log: Path) -> dict:
     """Start cmd, SIGKILL a random group's worker every kill_every seconds, wait for the end."""
-    with open(log, "w") as out:
-        launched = time.time()
-        proc = subprocess.Popen(cmd, env=ENV, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-        kills, rng, finished = [], random.Random(0), False
-        try:
-            next_kill = launched + (kill_every or 0)
-            while not finished:
-                finished = proc.poll() is not None
-                if not finished and time.time() > launched + timeout:
-                    print(f"  {run_dir.name}: stopped unfinished after {timeout:.0f} s (--minutes bounds each run)")
-                    break
-                rows, events = _records(run_dir)
-                _note_restarts(kills, events)
-                if kill_every and time.time() >= next_kill and _all_joined(rows, events, kills[-1]["at"] if kills else 0):
-                    pids = _current(events)
-                    group = rng.randrange(GROUPS)
-                    if not _gone(pids[group]):
-                        kills.append({"at": time.time(), "group": group, "pid": pids[group], "others": pids})
-                        os.kill(pids[group], signal.SIGKILL)
-                    next_kill = max(next_kill + kill_every, time.time() + 1)
-                time.sleep(0.05)
-        finally:
-            _stop(proc)
-    if finished and proc.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd[:3])} exited {proc.returncode}; see {log}")
+
+    def act(pid: int, kills: list, rng: random.Random, due: bool, deadline: float) -> bool:
+        rows, events = _records(run_dir)
+        _note_restarts(kills, events)
+        if not (due and _all_joined(rows, events, kills[-1]["at"] if kills else 0)):
+            return False
+        pids = _current(events)
+        group = rng.randrange(GROUPS)
+        if not _gone(pids[group]):
+            kills.append({"at": time.time(), "group": group, "pid": pids[group], "others": pids})
+            os.kill(pids[group], signal.SIGKILL)
+        return True
+
+    done = supervise(cmd, run_dir.name, kill_every=kill_every, timeout=timeout, log=log, act=act)
+    kills = done["kills"]
     (run_dir / "kills.json").write_text(json.dumps(kills) + "\n")  # with the records: the summary can be redone
     rows, events = _records(run_dir)
     if not rows:
         raise RuntimeError(f"{' '.join(cmd[:3])} committed no step; see {log}")
-    return {"launched": launched, "kills": kills, "rows": rows, "events": events, "finished": finished,
+    return {**done, "rows": rows, "events": events,
             "end": max(r["time"] for r in rows), "steps": max(r["step"] for r in rows),
             "acc": ledger.account(rows, GROUPS)}
 
