@@ -15,7 +15,9 @@ variant is a base joined by "+" to any modifiers:
 - +foreach: AdamW with torch's foreach step instead of the fused one (the old baseline);
 - +loss: the cross entropy (with its fp32 cast) compiled on its own;
 - +cpp: inductor's C++ wrapper (`cpp_wrapper`) instead of its Python one;
-- +bf16: under bf16 autocast (fast only where the CPU has AVX-512 BF16 or AMX).
+- +bf16: under bf16 autocast (fast only where the CPU has AVX-512 BF16 or AMX);
+- +keep: FSDP keeps each block's gathered parameters from forward to backward
+  (`parallel.fsdp_reshard_after_forward = false`: one all-gather per block a step, not two).
 Prints, per variant: median tokens/s over the steps after --warmup (all ranks' tokens), the
 ratio to the first variant (eager), the compile time (the first step's seconds, compiling
 included), and the largest loss difference from eager over the run. The inductor cache is a
@@ -48,7 +50,7 @@ from meshrun.train.optimizers import build_optimizer
 
 LAYOUTS = {"1proc": dict(), "ddp2": dict(dp_replicate=2), "fsdp2": dict(dp_shard=2)}
 BASES = {"eager": None, "compile": "auto", "blocks": "blocks", "whole": "whole"}
-MODIFIERS = ("foreach", "loss", "cpp", "bf16")
+MODIFIERS = ("foreach", "loss", "cpp", "bf16", "keep")
 
 
 def _loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -79,7 +81,8 @@ def _build(variant: str, size: str, layout: dict, seq: int):
         dims = ParallelDims(dp_replicate=layout.get("dp_replicate", 1), dp_shard=layout.get("dp_shard", 1),
                             tp=1, pp=1, world_size=world)
         mesh = dims.build_mesh("cpu")
-        model = parallelize_nd(model, dims, mesh, device=torch.device("cpu"), materialize=compile_)
+        model = parallelize_nd(model, dims, mesh, device=torch.device("cpu"), materialize=compile_,
+                               reshard_after_forward="keep" not in mods)
     else:
         compile_(model)
     opt = build_optimizer(model, OptimSection(implementation="foreach" if "foreach" in mods else "auto"))
