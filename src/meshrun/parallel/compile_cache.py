@@ -44,18 +44,22 @@ def use_run_cache(run_dir: Path, environ: dict[str, str] | None = None) -> Path:
     Call it before the first compile (the worker does, before building the model): inductor
     reads the variables each time it opens its cache. Importing torch._dynamo writes torch's
     default (/tmp/torchinductor_<user>) into TORCHINDUCTOR_CACHE_DIR (torch/_dynamo/package.py,
-    torch 2.13), in the launcher too, so that value counts as unset. The directory is created
-    0700; one that is not private (`not_private`) is replaced by a fresh private one. Returns
-    the directory in use.
+    torch 2.13), in the launcher too, so that value counts as unset. The run's directory is made
+    0700 (a directory the user chose keeps its mode); one that is not private (`not_private`)
+    is replaced by a fresh private one. Returns the directory in use.
     """
     environ = os.environ if environ is None else environ
-    if environ.get("TORCHINDUCTOR_CACHE_DIR") in (None, "", _torch_default_cache_dir()):
+    ours = environ.get("TORCHINDUCTOR_CACHE_DIR") in (None, "", _torch_default_cache_dir())
+    if ours:
         environ["TORCHINDUCTOR_CACHE_DIR"] = str(Path(run_dir).resolve() / CACHE_DIR)
     environ.setdefault("TORCHINDUCTOR_FX_GRAPH_CACHE", "1")
     environ.setdefault("TORCHINDUCTOR_AUTOGRAD_CACHE", "1")
     path = Path(environ["TORCHINDUCTOR_CACHE_DIR"])
-    path.mkdir(mode=0o700, parents=True, exist_ok=True)
-    reason = not_private(path)
+    try:
+        path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        reason = not_private(path)
+    except OSError as exc:
+        reason = f"it cannot be created or read ({exc.strerror})"
     if reason is not None:
         fresh = tempfile.mkdtemp(prefix="meshrun-compile-cache-")  # 0700, ours
         warn_once("train.compile: not using the compile cache %s: %s (its pickles and shared objects would be "
@@ -63,6 +67,8 @@ def use_run_cache(run_dir: Path, environ: dict[str, str] | None = None) -> Path:
                   "delete it", path, reason, fresh)
         environ["TORCHINDUCTOR_CACHE_DIR"] = fresh
         return Path(fresh)
+    if ours:
+        path.chmod(0o700)  # one an older meshrun made 0755
     return path
 
 
