@@ -125,12 +125,15 @@ def settle_vec_isa(cache_dir: Path | None = None) -> bool:
 
     if config.cpp.vec_isa_ok is not None:
         return bool(config.cpp.vec_isa_ok)
-    from torch._inductor import cpu_vec_isa
-
     cache_dir = Path(cache_dir or os.environ.get("TORCHINDUCTOR_CACHE_DIR") or _torch_default_cache_dir())
-    flags = cpu_vec_isa.x86_isa_checker()
-    candidates = [str(isa) for isa in cpu_vec_isa.supported_vec_isa_list
-                  if all(flag in flags for flag in str(isa).split())]
+    try:  # torch's private module: another torch may lack these; then torch probes as it always did
+        from torch._inductor import cpu_vec_isa
+
+        flags = cpu_vec_isa.x86_isa_checker()
+        candidates = [str(isa) for isa in cpu_vec_isa.supported_vec_isa_list
+                      if all(flag in flags for flag in str(isa).split())]
+    except (ImportError, AttributeError):
+        return False
     key = {"torch": _torch_version(), "isas": candidates, "compiler": _file_id(compiler_path())}
     record = cache_dir / ISA_RECORD
     if _read_json(record) != key:
