@@ -11,8 +11,9 @@ restarts the workers, and they resume from the checkpoint before it, as after an
 --resume-too, the finished run is trained further by a second command (`--force`, more steps),
 as a run resumed by hand. Printed from the run's metrics.jsonl ("compile" rows, one per start of
 the workers): torch's compile seconds (`compile_s`: dynamo, AOTAutograd and inductor, cache
-lookups included), the first step's seconds, the caches' hits and misses, and each restart's
-ratio to the cold compile. The load average is printed before and after. Each command is
+lookups included), the first step's seconds, the caches' hits and misses, each restart's ratio to
+the cold compile, and the seconds from the workers' start to the last rank's first step
+(events.jsonl: torch's import, rendezvous, build, resume and first step: the whole recovery). The load average is printed before and after. Each command is
 bounded by --timeout and killed by process group if it overruns.
 """
 
@@ -57,6 +58,31 @@ def _train(run_root: Path, args, extra: list[str], env: dict[str, str]) -> float
     return time.monotonic() - started
 
 
+def _start_to_first_step(run_dir: Path) -> list[float]:
+    """Per start of the workers: seconds from the first worker's start to the last rank's first step
+    (events.jsonl: torch's import, the rendezvous, building, resuming and the first step, compile included)."""
+    from meshrun.runtime.events import read
+
+    out = []
+    for group in _starts_in_order(read(run_dir)):
+        began = min(r["time"] for r in group if r["event"] == "worker_start")
+        done = [r["time"] for r in group if r["event"] == "first_step"]
+        if done:
+            out.append(max(done) - began)
+    return out
+
+
+def _starts_in_order(rows: list[dict]) -> list[list[dict]]:
+    """events.jsonl cut at each new start of the workers (a worker_start after a first_step)."""
+    groups: list[list[dict]] = []
+    for row in rows:
+        if row["event"] == "worker_start" and (not groups or any(r["event"] == "first_step" for r in groups[-1])):
+            groups.append([])
+        if groups:
+            groups[-1].append(row)
+    return groups
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--config", default=str(ROOT / "examples" / "configs" / "tiny.toml"))
@@ -80,9 +106,12 @@ def main() -> None:
         compiles = [r for r in rows if r.get("event") == "compile"]
         assert compiles, "no compile rows in metrics.jsonl"
         cold = compiles[0]["compile_s"]
+        starts = _start_to_first_step(root / "restart")
         for i, row in enumerate(compiles):
             what = "cold" if i == 0 else ("after the SIGKILL restart" if i == 1 else "resumed by hand")
+            start = f"{starts[i]:6.2f}" if i < len(starts) else "     ?"
             print(f"{what:26s} compile_s {row['compile_s']:6.2f}  first step {row['first_step_s']:6.2f} s  "
+                  f"worker start to first step done {start} s  "
                   f"{row['compile_s'] / cold:5.2f}x cold  fx graph cache hit/miss {row['fx_graph_cache_hit']}/"
                   f"{row['fx_graph_cache_miss']}  autograd cache hit/miss {row['autograd_cache_hit']}/"
                   f"{row['autograd_cache_miss']}", flush=True)

@@ -15,9 +15,13 @@ variant is a base joined by "+" to any modifiers:
 - +foreach: AdamW with torch's foreach step instead of the fused one (the old baseline);
 - +loss: the cross entropy (with its fp32 cast) compiled on its own;
 - +cpp: inductor's C++ wrapper (`cpp_wrapper`) instead of its Python one;
-- +bf16: under bf16 autocast (fast only where the CPU has AVX-512 BF16 or AMX).
+- +bf16: under bf16 autocast (fast only where the CPU has AVX-512 BF16 or AMX);
+- +keep: FSDP keeps each block's gathered parameters from forward to backward
+  (`parallel.fsdp_reshard_after_forward = false`: one all-gather per block a step, not two).
 Prints, per variant: median tokens/s over the steps after --warmup (all ranks' tokens), the
-ratio to the first variant (eager), the compile time (the first step's seconds, compiling
+ratio to the first variant (eager), eager's CPU seconds a step (all ranks' process time) over
+the variant's (a ratio that a loaded machine's waiting does not move; collectives' waits and
+spinning count as they are), the compile time (the first step's seconds, compiling
 included), and the largest loss difference from eager over the run. The inductor cache is a
 fresh temporary directory shared by every launch of this run (the layouts then share graphs),
 unless TORCHINDUCTOR_CACHE_DIR is set. Each launch is bounded by --timeout and its ranks are
@@ -48,7 +52,7 @@ from meshrun.train.optimizers import build_optimizer
 
 LAYOUTS = {"1proc": dict(), "ddp2": dict(dp_replicate=2), "fsdp2": dict(dp_shard=2)}
 BASES = {"eager": None, "compile": "auto", "blocks": "blocks", "whole": "whole"}
-MODIFIERS = ("foreach", "loss", "cpp", "bf16")
+MODIFIERS = ("foreach", "loss", "cpp", "bf16", "keep")
 
 
 def _loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -79,7 +83,8 @@ def _build(variant: str, size: str, layout: dict, seq: int):
         dims = ParallelDims(dp_replicate=layout.get("dp_replicate", 1), dp_shard=layout.get("dp_shard", 1),
                             tp=1, pp=1, world_size=world)
         mesh = dims.build_mesh("cpu")
-        model = parallelize_nd(model, dims, mesh, device=torch.device("cpu"), materialize=compile_)
+        model = parallelize_nd(model, dims, mesh, device=torch.device("cpu"), materialize=compile_,
+                               reshard_after_forward="keep" not in mods)
     else:
         compile_(model)
     opt = build_optimizer(model, OptimSection(implementation="foreach" if "foreach" in mods else "auto"))
@@ -88,8 +93,8 @@ def _build(variant: str, size: str, layout: dict, seq: int):
     return model, opt, loss_fn, dp_rank, (dims.dp_size if dims else 1)
 
 
-def _step(model, opt, loss_fn, x, y, bf16: bool) -> tuple[float, float]:
-    started = time.perf_counter()
+def _step(model, opt, loss_fn, x, y, bf16: bool) -> tuple[float, float, float]:
+    started, cpu = time.perf_counter(), time.process_time()
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
         loss = loss_fn(model(x), y)
     loss.backward()
@@ -100,7 +105,7 @@ def _step(model, opt, loss_fn, x, y, bf16: bool) -> tuple[float, float]:
     if dist.is_initialized():
         dist.all_reduce(value)
         value /= dist.get_world_size()
-    return time.perf_counter() - started, float(value)
+    return time.perf_counter() - started, time.process_time() - cpu, float(value)
 
 
 def run(size: str, layout: dict, variants: list[str], batch: int, seq: int, steps: int) -> dict:
@@ -108,7 +113,7 @@ def run(size: str, layout: dict, variants: list[str], batch: int, seq: int, step
     gen = torch.Generator().manual_seed(0)
     vocab = SIZES[size]["vocab_size"]
     tokens = torch.randint(0, vocab, (steps, batch, seq + 1), generator=gen)
-    out = {v: {"times": [], "losses": []} for v in variants}
+    out = {v: {"times": [], "cpu": [], "losses": []} for v in variants}
     for step in range(steps):
         for v in variants:
             model, opt, loss_fn, dp_rank, dp_size = built[v]
@@ -116,8 +121,9 @@ def run(size: str, layout: dict, variants: list[str], batch: int, seq: int, step
             rows = tokens[step, dp_rank * per:(dp_rank + 1) * per]
             if dist.is_initialized():
                 dist.barrier()
-            seconds, loss = _step(model, opt, loss_fn, rows[:, :-1], rows[:, 1:], "bf16" in v)
+            seconds, cpu, loss = _step(model, opt, loss_fn, rows[:, :-1], rows[:, 1:], "bf16" in v)
             out[v]["times"].append(seconds)
+            out[v]["cpu"].append(cpu)
             out[v]["losses"].append(loss)
     return out
 
@@ -173,13 +179,17 @@ def _report(size: str, layout: str, variants: list[str], results: list[dict], ar
         per_step = [max(r[v]["times"][i] for r in results) for i in range(args.warmup, args.steps)]
         return tokens / statistics.median(per_step)
 
-    base = tokens_per_s("eager")
+    def cpu_s(v: str) -> float:  # CPU seconds a step, summed over ranks: what load does not inflate
+        return statistics.median(sum(r[v]["cpu"][i] for r in results) for i in range(args.warmup, args.steps))
+
+    base, base_cpu = tokens_per_s("eager"), cpu_s("eager")
     eager_losses = results[0]["eager"]["losses"]
     for v in variants:
         rate = tokens_per_s(v)
         first = max(r[v]["times"][0] for r in results)
         diff = max(abs(a - b) for a, b in zip(results[0][v]["losses"], eager_losses, strict=True))
         print(f"{size:5s} {layout:6s} {v:14s} {rate:9.0f} tok/s  {rate / base:5.2f}x eager  "
+              f"CPU {base_cpu / cpu_s(v):5.2f}x  "
               f"first step {first:6.1f} s  max |loss - eager| {diff:.1e}", flush=True)
 
 

@@ -21,29 +21,28 @@ torch compiles lazily, on a block's first call: that is where a failure shows. W
 module falls back to eager with one warning line (rank 0's) naming both. Inductor needs a C++ compiler on
 CPU (`$CXX`, else g++): `check_compiler` refuses `true` before any worker starts.
 
-The FX graph and AOTAutograd caches go to `<run dir>/compile-cache` (`use_run_cache`), so a
-restarted or resumed run loads its kernels instead of compiling them again.
+The FX graph and AOTAutograd caches go to `<run dir>/compile-cache`, private to its owner
+(meshrun.parallel.compile_cache: `use_run_cache`), so a restarted or resumed run loads its
+kernels instead of compiling them again, and skips inductor's CPU ISA probe (`settle_vec_isa`).
 """
 
 from __future__ import annotations
 
-import logging
 import os
-import shutil
-import sys
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 from meshrun.errors import ModelError
+from meshrun.parallel.compile_cache import (
+    CACHE_DIR,
+    compiler_path,
+    settle_vec_isa,
+    use_run_cache,
+    warn_once,
+)
 
-logger = logging.getLogger(__name__)
-
-CACHE_DIR = "compile-cache"  # under the run directory
-# Inductor reads these (torch/_inductor/runtime/cache_dir_utils.py, torch/_inductor/config.py
-# fx_graph_cache, torch/_functorch/config.py enable_autograd_cache); triton's cache lives under
-# TORCHINDUCTOR_CACHE_DIR unless TRITON_CACHE_DIR says otherwise.
-CACHE_ENV = ("TORCHINDUCTOR_CACHE_DIR", "TORCHINDUCTOR_FX_GRAPH_CACHE", "TORCHINDUCTOR_AUTOGRAD_CACHE")
+__all__ = ["CACHE_DIR", "CompileClock", "CompileError", "apply_compile", "check_compiler", "compiler_path",
+           "layout_allows", "mode", "use_run_cache", "warn_once"]
 
 
 class CompileError(ModelError):
@@ -53,12 +52,6 @@ class CompileError(ModelError):
 def mode(setting: bool | None) -> str:
     """'off', 'on' or 'auto' for train.compile's false, true and "auto" (None)."""
     return "auto" if setting is None else ("on" if setting else "off")
-
-
-def compiler_path() -> str | None:
-    """The C++ compiler inductor will call ($CXX, else g++; clang++ on macOS), or None if absent."""
-    name = os.environ.get("CXX") or ("clang++" if sys.platform == "darwin" else "g++")
-    return shutil.which(name)
 
 
 def check_compiler(setting: bool | None) -> bool:
@@ -78,21 +71,6 @@ def check_compiler(setting: bool | None) -> bool:
     return False
 
 
-def warn_once(message: str, *args: Any) -> None:
-    """A warning from rank 0 only: every rank decides alike, and one line says it for the job."""
-    if _rank() == 0:
-        logger.warning(message, *args)
-
-
-def _rank() -> int:
-    if "torch.distributed" in sys.modules:
-        import torch.distributed as dist
-
-        if dist.is_available() and dist.is_initialized():
-            return dist.get_rank()
-    return int(os.environ.get("RANK", "0") or 0)
-
-
 def layout_allows(setting: bool | None, tp: int, sequence_parallel: bool) -> bool:
     """Whether the layout lets compiling go ahead: rules.check_compile's error for true, a warning for "auto"."""
     from meshrun.errors import ConfigError
@@ -106,28 +84,6 @@ def layout_allows(setting: bool | None, tp: int, sequence_parallel: bool) -> boo
         warn_once("train.compile=\"auto\": %s; training eagerly", exc)
         return False
     return mode(setting) != "off"
-
-
-def use_run_cache(run_dir: Path, environ: dict[str, str] | None = None) -> Path:
-    """Point inductor's caches at `<run_dir>/compile-cache`, keeping a directory the user chose.
-
-    Call it before the first compile (the worker does, before building the model): inductor
-    reads the variables each time it opens its cache. Importing torch._dynamo writes torch's
-    default (/tmp/torchinductor_<user>) into TORCHINDUCTOR_CACHE_DIR (torch/_dynamo/package.py,
-    torch 2.13), in the launcher too, so that value counts as unset. Returns the directory in use.
-    """
-    environ = os.environ if environ is None else environ
-    if environ.get("TORCHINDUCTOR_CACHE_DIR") in (None, "", _torch_default_cache_dir()):
-        environ["TORCHINDUCTOR_CACHE_DIR"] = str(Path(run_dir).resolve() / CACHE_DIR)
-    environ.setdefault("TORCHINDUCTOR_FX_GRAPH_CACHE", "1")
-    environ.setdefault("TORCHINDUCTOR_AUTOGRAD_CACHE", "1")
-    return Path(environ["TORCHINDUCTOR_CACHE_DIR"])
-
-
-def _torch_default_cache_dir() -> str:
-    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
-
-    return os.path.abspath(default_cache_dir())
 
 
 def apply_compile(model: Any, setting: bool | None, *, backend: str = "inductor", scope: str = "auto",
@@ -144,6 +100,7 @@ def apply_compile(model: Any, setting: bool | None, *, backend: str = "inductor"
         return []
     import torch
 
+    settle_vec_isa()  # before the first compile: part of inductor's cache key
     layers = getattr(model, "layers", None)
     whole = layers is None or scope == "whole" or (scope == "auto" and whole_model_allows(model))
     if whole:
