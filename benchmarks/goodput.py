@@ -255,15 +255,17 @@ def summary(name: str, clean: dict, faulty: dict, together: bool = False) -> Non
         print(f"    {part:8s} {statistics.median(values):6.2f}{unit} ({min(values):.2f}-{max(values):.2f})")
 
 
-def calibrate(work: Path, interval: int, seconds: float) -> float:
-    """Steps/s of a fault-free meshrun run, steady state (after its first 5 steps)."""
-    cmd = meshrun_cmd(work, "calibrate", 1_000_000, interval, 0, [])
+def calibrate(work: Path, interval: int, seconds: float, *, cmd: list[str] | None = None, rows_of=_train_rows,
+              bound: float = 120) -> float:
+    """Steps/s of a fault-free run named "calibrate" (meshrun's unless cmd), steady state (after its first 5
+    steps); rows_of(run_dir): its step rows in time order."""
+    cmd = cmd or meshrun_cmd(work, "calibrate", 1_000_000, interval, 0, [])
     with open(work / "calibrate.log", "w") as out:
         proc = subprocess.Popen(cmd, env=ENV, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-        deadline = time.time() + 120
+        deadline = time.time() + bound
         try:
             while time.time() < deadline and proc.poll() is None:
-                rows = _train_rows(work / "calibrate")
+                rows = rows_of(work / "calibrate")
                 if len(rows) > 5 and rows[-1]["time"] - rows[5]["time"] >= seconds:
                     return (rows[-1]["step"] - rows[5]["step"]) / (rows[-1]["time"] - rows[5]["time"])
                 time.sleep(0.2)

@@ -38,11 +38,11 @@ import random
 import shutil
 import signal
 import statistics
-import subprocess
 import time
 from pathlib import Path
 
-from goodput import BIN, ENV, REPO, _gone, _stop, supervise
+import goodput
+from goodput import BIN, REPO, _gone, supervise
 
 from meshrun.fault import ledger
 from meshrun.runtime.events import process_start_time
@@ -205,20 +205,10 @@ def summary(clean: dict, faulty: dict) -> None:
 
 
 def calibrate(work: Path, interval: int, seconds: float) -> float:
-    """Committed steps/s of a fault-free torchft run, steady state (after its first 5 steps)."""
-    cmd = torchft_cmd(work, "calibrate", 1_000_000, interval, 0, [])
-    with open(work / "calibrate.log", "w") as out:
-        proc = subprocess.Popen(cmd, env=ENV, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-        deadline = time.time() + 180
-        try:
-            while time.time() < deadline and proc.poll() is None:
-                rows = sorted((r for r in _records(work / "calibrate")[0] if r["group"] == 0), key=lambda r: r["time"])
-                if len(rows) > 5 and rows[-1]["time"] - rows[5]["time"] >= seconds:
-                    return (rows[-1]["step"] - rows[5]["step"]) / (rows[-1]["time"] - rows[5]["time"])
-                time.sleep(0.2)
-        finally:
-            _stop(proc)
-    raise RuntimeError(f"calibration never got going; see {work / 'calibrate.log'}")
+    """Committed steps/s of a fault-free torchft run (group 0's rows), steady state."""
+    return goodput.calibrate(
+        work, interval, seconds, cmd=torchft_cmd(work, "calibrate", 1_000_000, interval, 0, []), bound=180,
+        rows_of=lambda run_dir: sorted((r for r in _records(run_dir)[0] if r["group"] == 0), key=lambda r: r["time"]))
 
 
 def main(args, work: Path) -> int:
