@@ -150,14 +150,15 @@ def run(cmd: list[str], run_dir: Path, *, marker: str | None, kill_every: float 
     return {**done, "rows": rows, "events": read_events(run_dir), "end": last["time"], "steps": last["step"]}
 
 
-def pair(clean: dict, faulty: dict, together: bool) -> tuple[dict, dict]:
-    """run(**clean) then run(**faulty), or both at once (--side-by-side): the same load for both."""
+def pair(clean: dict, faulty: dict, together: bool, run_fn=None) -> tuple[dict, dict]:
+    """run_fn(**clean) then run_fn(**faulty) (run_fn: run), or both at once (--side-by-side): the same load for both."""
+    run_fn = run_fn or run
     if not together:
-        return run(**clean), run(**faulty)
+        return run_fn(**clean), run_fn(**faulty)
     from concurrent.futures import ThreadPoolExecutor
 
     with ThreadPoolExecutor(2) as pool:
-        futures = [pool.submit(run, **clean), pool.submit(run, **faulty)]
+        futures = [pool.submit(run_fn, **clean), pool.submit(run_fn, **faulty)]
         return futures[0].result(), futures[1].result()
 
 

@@ -154,6 +154,15 @@ def _samples(row: dict) -> int:
     return row.get("end0", row["epoch_end"]) - row["pos0"] + row["pos1"]
 
 
+def _committed_samples(result: dict, within: float | None = None) -> int:
+    """Samples of the run's committed steps (each step once: its last commit), those within `within` s of launch."""
+    last = {}
+    for row in sorted(result["rows"], key=lambda r: r["time"]):
+        if within is None or row["time"] - result["launched"] <= within:
+            last[row["step"]] = row
+    return sum(_samples(r) for r in last.values())
+
+
 def own_rate_goodput(result: dict, parts: list[dict]) -> tuple[float, float, float]:
     """(goodput against the faulty run's own committed samples/s outside its recoveries, seconds in
     recoveries, that rate): robust to the machine's load changing between the two runs."""
@@ -170,9 +179,14 @@ def own_rate_goodput(result: dict, parts: list[dict]) -> tuple[float, float, flo
     return sum(_samples(r) for r in rows[1:]) / (end - first) / rate, lost, rate
 
 
-def summary(clean: dict, faulty: dict) -> None:
+def summary(clean: dict, faulty: dict, together: bool = False) -> None:
     clean_s, faulty_s = clean["end"] - clean["launched"], faulty["end"] - faulty["launched"]
     ca, fa = clean["acc"], faulty["acc"]
+    if together:  # side by side: committed samples in the same seconds of the same machine, until the first ended
+        window = min(clean_s, faulty_s)  # a faulty run commits fewer samples a step while a group is away
+        reached, total = _committed_samples(faulty, within=window), _committed_samples(clean, within=window)
+        print(f"meshrun (torchft, side by side): goodput {reached / total:.3f} in committed samples (the first "
+              f"{window:.1f} s from launch: {total} without faults, {reached} with {len(faulty['kills'])} SIGKILLs)")
     goodput = (fa.samples / faulty_s) / (ca.samples / clean_s)
     steps_ratio = (faulty["steps"] / faulty_s) / (clean["steps"] / clean_s)
     print(f"meshrun (torchft, {GROUPS} groups x 1): goodput {goodput:.3f} in committed samples/s "
@@ -222,16 +236,18 @@ def main(args, work: Path) -> int:
 
 
 def _main(args, work: Path) -> int:
-    steps = args.steps or max(20, round(calibrate(work, args.interval, 15) * args.minutes * 60))
+    share = 0.5 if args.side_by_side else 1.0  # two runs at once: each about half as fast
+    steps = args.steps or max(20, round(calibrate(work, args.interval, 15) * share * args.minutes * 60))
     limit = args.minutes * 60 * 3 + 60
     restarts = int(limit / args.kill_every) + 2
     extra = [x for kv in args.set for x in ("--set", kv)]
     workers = "exec'd (MESHRUN_PRELOAD=0)" if os.environ.get("MESHRUN_PRELOAD") == "0" else "forked, torch preloaded"
     print(f"{steps} steps a run (torchft: {GROUPS} replica groups x 1 process, tiny model, checkpoint.interval "
           f"{args.interval}, workers {workers}), a SIGKILL of a random group's worker every {args.kill_every:g} s")
-    clean = run(torchft_cmd(work, "clean", steps, args.interval, 0, extra), work / "clean",
-                kill_every=None, timeout=limit, log=work / "clean.log")
-    faulty = run(torchft_cmd(work, "faulty", steps, args.interval, restarts, extra), work / "faulty",
-                 kill_every=args.kill_every, timeout=limit, log=work / "faulty.log")
-    summary(clean, faulty)
+    clean, faulty = goodput.pair(
+        {"cmd": torchft_cmd(work, "clean", steps, args.interval, 0, extra), "run_dir": work / "clean",
+         "kill_every": None, "timeout": limit, "log": work / "clean.log"},
+        {"cmd": torchft_cmd(work, "faulty", steps, args.interval, restarts, extra), "run_dir": work / "faulty",
+         "kill_every": args.kill_every, "timeout": limit, "log": work / "faulty.log"}, args.side_by_side, run_fn=run)
+    summary(clean, faulty, args.side_by_side)
     return 0
