@@ -231,12 +231,16 @@ def summary(name: str, clean: dict, faulty: dict, together: bool = False) -> Non
     clean_s = clean["end"] - clean["launched"]
     faulty_s = faulty["end"] - faulty["launched"]
     parts = breakdown(faulty)
-    if together:  # the same seconds of the same machine: the faulty run's progress when the other ended
-        reached = max([r["step"] for r in faulty["rows"] if r["time"] - faulty["launched"] <= clean_s] or [0])
-        goodput = reached / clean["steps"]
-        print(f"{name}: goodput {goodput:.3f} (side by side, {clean_s:.1f} s from launch: step {clean['steps']} "
-              f"without faults, step {reached} with {len(faulty['kills'])} SIGKILLs; the faulty run ended at "
-              f"{faulty_s:.1f} s)")
+    if together:  # the same seconds of the same machine, until the first run ended: the steps each reached
+        window = min(clean_s, faulty_s)
+
+        def reached(result: dict) -> int:
+            return max([r["step"] for r in result["rows"] if r["time"] - result["launched"] <= window] or [0])
+
+        goodput = reached(faulty) / reached(clean)
+        print(f"{name}: goodput {goodput:.3f} (side by side, the first {window:.1f} s from launch: step "
+              f"{reached(clean)} without faults, step {reached(faulty)} with {len(faulty['kills'])} SIGKILLs; the runs "
+              f"ended at {clean_s:.1f} and {faulty_s:.1f} s)")
     else:
         goodput = (faulty["steps"] / faulty_s) / (clean["steps"] / clean_s)
         print(f"{name}: goodput {goodput:.3f} (launch -> step {clean['steps']}: {clean_s:.1f} s without faults; "
@@ -248,6 +252,10 @@ def summary(name: str, clean: dict, faulty: dict, together: bool = False) -> Non
               f"a step {last['step_s'] * 1e3:.1f} ms)")
     if not parts:
         return
+    # SIGKILL -> the next completed step, then the steps redone, at the fault-free run's step time
+    lost = sum(p["total"] for p in parts) + sum(p["redo"] for p in parts) * clean_s / clean["steps"]
+    print(f"  in recoveries: {lost:.1f} s of {faulty_s:.1f} s ({lost / faulty_s:.1%}), i.e. goodput "
+          f"{1 - lost / faulty_s:.3f} from the faulty run's own time (load-independent; snapshot cost not counted)")
     sources = {p["source"] for p in parts}
     print(f"  {len(parts)} recoveries, resumed from {', '.join(sorted(str(s) for s in sources))}; median (min-max), s:")
     for part in PARTS:
