@@ -18,6 +18,7 @@ snapshot) against the step, and the transfer alone (waited for at once).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import tempfile
@@ -66,10 +67,24 @@ def _step(state, args, generator) -> None:
     state.step += 1
 
 
+@contextlib.contextmanager
+def _snapshots(env):
+    """(area, Snapshots every step) in a fresh shared-memory directory, named as the launcher would."""
+    from meshrun.checkpoint.snapshot import Snapshots
+
+    class Cfg:
+        snapshot_interval = 1
+
+    with tempfile.TemporaryDirectory(dir="/dev/shm" if os.path.isdir("/dev/shm") else None) as area:
+        os.environ["MESHRUN_SNAPSHOT_DIR"] = area
+        run_dir = Path(area) / "run"
+        run_dir.mkdir()
+        yield area, Snapshots(Cfg(), run_dir=run_dir, env=env, layout={"strategy": "ddp"})
+
+
 def measure(dim: int, n_layers: int, steps: int) -> dict:
     import torch
 
-    from meshrun.checkpoint.snapshot import Snapshots
     from meshrun.runtime.process import DistEnv
 
     torch.set_num_threads(1)  # as meshrun's workers run (OMP_NUM_THREADS=1)
@@ -78,15 +93,8 @@ def measure(dim: int, n_layers: int, steps: int) -> dict:
     state, args = _state(dim, n_layers, 0)
     env = DistEnv(rank=0, local_rank=0, world_size=1, local_world_size=1, device=torch.device("cpu"), backend="gloo")
 
-    class Cfg:
-        snapshot_interval = 1
-
     step_s, slot_s, file_s = [], [], []
-    with tempfile.TemporaryDirectory(dir="/dev/shm" if os.path.isdir("/dev/shm") else None) as area:
-        os.environ["MESHRUN_SNAPSHOT_DIR"] = area
-        run_dir = Path(area) / "run"
-        run_dir.mkdir()
-        snaps = Snapshots(Cfg(), run_dir=run_dir, env=env, layout={"strategy": "ddp"})
+    with _snapshots(env) as (area, snaps):
         _step(state, args, gen)
         snaps._write(state)  # sets up the slots
         for i in range(steps):
@@ -133,7 +141,6 @@ def _peer_rank(rank: int, port: int, dim: int, n_layers: int, steps: int, out: s
     import torch
     import torch.distributed as dist
 
-    from meshrun.checkpoint.snapshot import Snapshots
     from meshrun.runtime.process import DistEnv
 
     torch.set_num_threads(1)
@@ -143,14 +150,7 @@ def _peer_rank(rank: int, port: int, dim: int, n_layers: int, steps: int, out: s
     state, args = _state(dim, n_layers, 0)
     gen = torch.Generator().manual_seed(rank)
 
-    class Cfg:
-        snapshot_interval = 1
-
-    with tempfile.TemporaryDirectory(dir="/dev/shm" if os.path.isdir("/dev/shm") else None) as area:
-        os.environ["MESHRUN_SNAPSHOT_DIR"] = area
-        run_dir = Path(area) / "run"
-        run_dir.mkdir()
-        snaps = Snapshots(Cfg(), run_dir=run_dir, env=env, layout={"strategy": "ddp"})
+    with _snapshots(env) as (area, snaps):
         _step(state, args, gen)
         snaps._write(state)  # slots and the peer ring
         step_s, snap_s, transfer_s = [], [], []
