@@ -269,6 +269,17 @@ def test_range_errors_state_what_is_expected(override, expected):
     assert error_of(load_config, None, [*extra.get(override, []), override]) == expected
 
 
+def test_png_charts_without_matplotlib_are_refused_before_launch(monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else real(name, *a))
+    assert error_of(load_config, None, ["metrics.charts=png"]) == (
+        "metrics.charts must be 'auto' or 'svg' without matplotlib (pip install 'meshrun[report]' for PNG charts), "
+        "got 'png'")
+    assert load_config(None, ["metrics.charts=svg"]).metrics.charts == "svg"
+
+
 def test_only_one_parallel_degree_may_be_the_rest():
     msg = error_of(load_config, None, ["parallel.dp_shard=-1"])
     assert msg.startswith("only one of parallel.dp_replicate, parallel.dp_shard") and "dp_replicate, dp_shard" in msg
