@@ -14,6 +14,8 @@ import pytest
 import torch
 from conftest import BIN, EXAMPLES, kill_tree, meshrun, run_proc
 
+from meshrun.launch.ports import QUIET_POOL
+
 FAILING_SCRIPT = """\
 import os, signal, sys, time
 import torch, torch.distributed as dist
@@ -121,13 +123,18 @@ def test_module_target_and_rank0_only(tmp_path):
     pkg.mkdir()
     (pkg / "__init__.py").write_text("")
     (pkg / "hello.py").write_text(
-        "import sys, meshrun\nenv = meshrun.init()\nprint(f'hello from {env.rank} of {env.world_size}', sys.argv[1:])\n"
+        "import os, sys, meshrun\nenv = meshrun.init()\n"
+        "print(f'hello from {env.rank} of {env.world_size}', sys.argv[1:], 'port', os.environ['MASTER_PORT'])\n"
     )
     result = meshrun("launch", "--nproc-per-node", "2", "--rank0-only", "-m", "mypkg.hello", "x",
                      cwd=tmp_path, timeout=120)
     assert result.returncode == 0, result.output
     assert "[rank 0] hello from 0 of 2 ['x']" in result.stdout
     assert "hello from 1" not in result.stdout
+    # rank 0's store port is one the OS never hands out by itself (below the ephemeral range), so no
+    # outgoing connection can take it between the agent's choice and rank 0's bind
+    port = int(re.search(r"port (\d+)", result.stdout).group(1))
+    assert QUIET_POOL[0] <= port <= QUIET_POOL[1], port
 
 
 def test_busy_master_port_is_refused_in_one_line(write_script):

@@ -14,6 +14,59 @@ def free_port(host: str = "127.0.0.1") -> int:
         return sock.getsockname()[1]
 
 
+# Ports a store can take that the OS never hands out by itself: below Linux's default ephemeral
+# range (32768-60999, the ports of bind(0) and of every outgoing connection) and below torch's
+# defaults (29400, 29500). A port picked from the ephemeral range and bound seconds later by rank 0
+# can meanwhile become the local end of any connection on the machine (EADDRINUSE in rank 0).
+QUIET_POOL = (10000, 28999)
+PORT_RANGE_VAR = "MESHRUN_TEST_PORTS"  # LO-HI: a parallel test worker's own slice of QUIET_POOL
+
+
+def _ephemeral_start() -> int | None:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as fp:
+            return int(fp.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def free_port_in(lo: int, hi: int, host: str = "127.0.0.1") -> int | None:
+    """A port of lo..hi that binds right now (none in TIME_WAIT either), from a random start; None if none."""
+    import random
+
+    ports = range(lo, hi + 1)
+    start = random.randrange(len(ports))
+    for port in (*ports[start:], *ports[:start]):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind((host, port))
+            except OSError:
+                continue
+            return port
+    return None
+
+
+def quiet_port(host: str = "127.0.0.1", environ: dict[str, str] | None = None) -> int:
+    """A free port for a store bound later by another process: MESHRUN_TEST_PORTS=LO-HI when set,
+    else QUIET_POOL where it lies below this machine's ephemeral range, else the OS's choice."""
+    spec = (os.environ if environ is None else environ).get(PORT_RANGE_VAR, "")
+    if spec:
+        try:
+            lo, hi = (int(part) for part in spec.split("-"))
+        except ValueError:
+            raise ValueError(f"{PORT_RANGE_VAR}={spec!r}: expected LO-HI, e.g. 20000-20999") from None
+        port = free_port_in(lo, hi, host)
+        if port is None:
+            raise OSError(f"{PORT_RANGE_VAR}={spec}: no free port in the range")
+        return port
+    start = _ephemeral_start()
+    if start is not None and start > QUIET_POOL[1]:
+        port = free_port_in(*QUIET_POOL, host)
+        if port is not None:
+            return port
+    return free_port(host)
+
+
 def port_in_use(port: int, host: str = "") -> bool:
     """True when binding `host:port` fails with EADDRINUSE (what torch's TCPStore would hit)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:

@@ -69,8 +69,33 @@ def run_agent(config: LaunchConfig, entrypoint, args: list[str], environ: Mappin
     quiet: torchelastic's INFO/WARNING chatter buries the user's output; errors still show.
     """
     with scoped_environ(environ), _quiet_loggers(quiet), _plain_failure_records(), agent_store(config), \
-            _tolerant_error_files():
+            _tolerant_error_files(), _quiet_master_port(config):
         elastic_launch(config=config, entrypoint=entrypoint)(*args)
+
+
+@contextlib.contextmanager
+def _quiet_master_port(config: LaunchConfig) -> Iterator[None]:
+    """On one node, rank 0's MASTER_PORT (a new one each attempt) comes from below the ephemeral range.
+
+    torch 2.13's c10d rendezvous picks it with `get_free_port()` (bind to 0, close) and rank 0
+    binds it seconds later, once its worker has started: meanwhile any outgoing connection on the
+    machine may be handed that port as its local end, and rank 0 dies with EADDRINUSE. A port from
+    `quiet_port` (launch/ports.py) is one the OS never hands out by itself. Several nodes keep
+    torch's choice: firewalls between nodes are opened for the ephemeral range (docs/multinode.md).
+    """
+    if config.max_nodes != 1:
+        yield
+        return
+    from torch.distributed.elastic.rendezvous import api as rdzv_api
+
+    from meshrun.launch.ports import quiet_port
+
+    original = rdzv_api.get_free_port
+    rdzv_api.get_free_port = quiet_port
+    try:
+        yield
+    finally:
+        rdzv_api.get_free_port = original
 
 
 class _NoTraceback(logging.Filter):

@@ -4,20 +4,18 @@ A port the OS hands out (bind to 0, close) is free only until someone binds it; 
 processes that pick and then bind a few seconds later could pick the same one. A test runner that
 runs tests in parallel (pytest-xdist; tests/conftest.py) sets MESHRUN_TEST_PORTS=LO-HI to a range
 of its own for each worker, below the OS's ephemeral range, so that neither another worker nor an
-outgoing connection can be handed the same port. Without the variable: the OS's choice.
+outgoing connection can be handed the same port. The launcher picks rank 0's MASTER_PORT the same
+way (meshrun.launch.ports.quiet_port), so a job a test starts stays in that worker's range too.
 """
 
 from __future__ import annotations
 
-import os
-import random
-import socket
+from meshrun.launch.ports import PORT_RANGE_VAR, QUIET_POOL
+from meshrun.launch.ports import quiet_port as pick_port
 
-from meshrun.launch.ports import free_port
+__all__ = ["PORT_RANGE_VAR", "POOL", "pick_port", "worker_range"]
 
-PORT_RANGE_VAR = "MESHRUN_TEST_PORTS"
-# Below Linux's default ephemeral range (32768-60999) and torch's default ports (29400, 29500).
-POOL = (10000, 28999)
+POOL = QUIET_POOL
 
 
 def worker_range(index: int, count: int) -> str:
@@ -27,24 +25,3 @@ def worker_range(index: int, count: int) -> str:
     size = (POOL[1] - POOL[0] + 1) // count
     lo = POOL[0] + index * size
     return f"{lo}-{lo + size - 1}"
-
-
-def pick_port(host: str = "127.0.0.1") -> int:
-    """A port free right now: from MESHRUN_TEST_PORTS when it is set, else any the OS offers."""
-    spec = os.environ.get(PORT_RANGE_VAR, "")
-    if not spec:
-        return free_port(host)
-    try:
-        lo, hi = (int(part) for part in spec.split("-"))
-    except ValueError:
-        raise ValueError(f"{PORT_RANGE_VAR}={spec!r}: expected LO-HI, e.g. 20000-20999") from None
-    ports = list(range(lo, hi + 1))
-    start = random.randrange(len(ports))  # a run's store may still be in TIME_WAIT: move on
-    for port in ports[start:] + ports[:start]:
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-            try:
-                sock.bind((host, port))
-            except OSError:
-                continue
-            return port
-    raise OSError(f"{PORT_RANGE_VAR}={spec}: no free port in the range")
