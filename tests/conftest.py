@@ -50,14 +50,24 @@ def free_port() -> int:
     return pick_port("127.0.0.1")
 
 
-def child_env(*extra: dict[str, str] | None) -> dict[str, str]:
-    """This process's environment without the variables a launcher sets, then each of `extra` on top.
+def child_env(*extra: dict[str, str | None] | None) -> dict[str, str]:
+    """This process's environment without the variables a launcher sets, then each of `extra` on top
+    (a None value removes the variable).
 
     A test run under a launcher (or by a rank) must not hand its own rank to the processes it starts.
+    OMP_NUM_THREADS is 1 unless `extra` says otherwise, as in this process (pytest_runtest_setup):
+    a one-process run or tool on 2 cores shared with the other test worker only spins its second
+    OpenMP thread (`meshrun train tiny.toml --nproc-per-node 1` under load: 10-17 CPU-s on two
+    threads, 6 on one). Launches of several processes get 1 from the launcher anyway.
     """
     env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS and not k.startswith("TORCHELASTIC_")}
+    env["OMP_NUM_THREADS"] = "1"
     for more in extra:
-        env.update(more or {})
+        for key, value in (more or {}).items():
+            if value is None:
+                env.pop(key, None)
+            else:
+                env[key] = value
     return env
 
 
@@ -73,7 +83,7 @@ class Result:
 
 
 def run_proc(cmd: list[str], *, timeout: float = 120, cwd: Path | str | None = None,
-             env: dict[str, str] | None = None) -> Result:
+             env: dict[str, str | None] | None = None) -> Result:
     """Run cmd in its own session; on timeout kill the whole group (by id) and fail the test."""
     proc = subprocess.Popen(cmd, cwd=cwd, env=child_env(env), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True)
@@ -134,7 +144,7 @@ def meshrun(*args: str, **kwargs) -> Result:
 
 
 def train_tiny(tmp: Path, name: str, *args: str, timeout: float = 240,
-               env: dict[str, str] | None = None) -> tuple[Result, Path]:
+               env: dict[str, str | None] | None = None) -> tuple[Result, Path]:
     """`meshrun train` on examples/configs/tiny.toml as run `name` under `tmp` (also the cwd).
 
     Returns the result and the run directory, `tmp / name`; the caller checks the exit code.

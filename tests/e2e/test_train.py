@@ -26,7 +26,10 @@ def layout_runs(tmp_path_factory) -> dict[str, tuple[Result, Path]]:
     tmp = tmp_path_factory.mktemp("layouts")
     runs = {}
     for name, args in LAYOUT_RUNS.items():  # eval_interval=0: eval at step 0 and at the end only
-        result, run_dir = train_tiny(tmp, name, *args, "--set", "metrics.interval=1", "--set", "train.eval_interval=0")
+        # "single" as a user starts it: OMP_NUM_THREADS unset, so the worker is exec'd, not preloaded
+        env = {"OMP_NUM_THREADS": None} if name == "single" else None
+        result, run_dir = train_tiny(tmp, name, *args, "--set", "metrics.interval=1", "--set", "train.eval_interval=0",
+                                     env=env)
         assert result.returncode == 0, f"{name}: {result.output}"
         runs[name] = (result, run_dir)
     return runs
