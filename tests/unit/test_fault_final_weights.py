@@ -4,7 +4,12 @@
 from __future__ import annotations
 
 from meshrun.checkpoint.runs import finished_step, write_finished
-from meshrun.fault.launch import final_weights_group, publish_final_weights, summarize
+from meshrun.fault.launch import (
+    final_weights_group,
+    job_exit_code,
+    publish_final_weights,
+    summarize,
+)
 
 
 def _finish(gdir, steps: int, weights: bytes) -> None:
@@ -45,3 +50,10 @@ def test_group_0_keeps_its_own_and_nothing_finished_writes_nothing(tmp_path):
     assert publish_final_weights(empty, 2, 50) is None and not (empty / "model.pt").exists()
     assert summarize(empty / "torchft", 2, [1, 1], seconds=1.0)["lines"][-1] == (
         "final weights: none written, no group finished")
+
+
+def test_the_job_succeeds_when_a_group_finished_the_run():
+    assert job_exit_code([1, 0], None, 1) == 0  # group 0 ran out of restarts, group 1 finished: the run did
+    assert job_exit_code([1, 1], None, None) == 1  # nobody finished: the first failure is the job's
+    assert job_exit_code([0, 0], 15, 0) == 128 + 15  # stopped by SIGTERM: saved, to be re-run
+    assert job_exit_code([0, 0], None, 0) == 0

@@ -127,8 +127,17 @@ def run_replica_groups(cfg: JobConfig, plan, run_dir: Path) -> int:
     (records / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     for line in summary["lines"]:
         print(f"meshrun train: torchft: {line}", file=sys.stderr)
-    if stopped_by:
-        return 128 + stopped_by[0]
+    return job_exit_code(codes, stopped_by[0] if stopped_by else None, writer)
+
+
+def job_exit_code(codes: list[int], signum: int | None, writer: int | None) -> int:
+    """128 + the signal that stopped the job; 0 when a group finished the run (its weights are the
+    run's: a group that gave up meanwhile is what torchft mode tolerates, and the summary names
+    it); else the first group's non-zero exit code."""
+    if signum is not None:
+        return 128 + signum
+    if writer is not None:
+        return 0
     return next((code for code in codes if code), 0)
 
 
