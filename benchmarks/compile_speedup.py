@@ -12,12 +12,19 @@ variant is a base joined by "+" to any modifiers:
 - compile: what `train.compile = true` does (meshrun.parallel.compile.apply_compile): the whole
   model in one graph where the layout allows it (1 process, DDP), else block by block (FSDP);
 - blocks / whole: each block compiled on its own / the whole model in one graph, forced;
+- graphs: the whole model with graph breaks allowed (fullgraph=False); under FSDP dynamo skips
+  the model's forward (a graph break, at FSDP's hooks, inside its loop over the blocks) and
+  compiles each block's forward: the same graphs as `blocks`;
 - +foreach: AdamW with torch's foreach step instead of the fused one (the old baseline);
 - +loss: the cross entropy (with its fp32 cast) compiled on its own;
 - +cpp: inductor's C++ wrapper (`cpp_wrapper`) instead of its Python one;
 - +bf16: under bf16 autocast (fast only where the CPU has AVX-512 BF16 or AMX);
 - +keep: FSDP keeps each block's gathered parameters from forward to backward
-  (`parallel.fsdp_reshard_after_forward = false`: one all-gather per block a step, not two).
+  (`parallel.fsdp_reshard_after_forward = false`: one all-gather per block a step, not two);
+- +norm: the last norm compiled as a graph of its own (under FSDP only the blocks are);
+- +opt: the optimizer step compiled (torch.compile of `opt.step`, on DTensor parameters under FSDP);
+- +ca: compiled autograd around forward and backward (torch._dynamo's compiled_autograd), with
+  FSDP2's end-of-backward callback run by hand (`_finish_fsdp_backward`).
 Prints, per variant: median tokens/s over the steps after --warmup (all ranks' tokens), the
 ratio to the first variant (eager), eager's CPU seconds a step (all ranks' process time) over
 the variant's (a ratio that a loaded machine's waiting does not move; collectives' waits and
@@ -51,8 +58,8 @@ from meshrun.testing import run_distributed
 from meshrun.train.optimizers import build_optimizer
 
 LAYOUTS = {"1proc": dict(), "ddp2": dict(dp_replicate=2), "fsdp2": dict(dp_shard=2)}
-BASES = {"eager": None, "compile": "auto", "blocks": "blocks", "whole": "whole"}
-MODIFIERS = ("foreach", "loss", "cpp", "bf16", "keep")
+BASES = {"eager": None, "compile": "auto", "blocks": "blocks", "whole": "whole", "graphs": "graphs"}
+MODIFIERS = ("foreach", "loss", "cpp", "bf16", "keep", "norm", "opt", "ca")
 
 
 def _loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -76,8 +83,13 @@ def _build(variant: str, size: str, layout: dict, seq: int):
     options = {"cpp_wrapper": True} if "cpp" in mods else None
 
     def compile_(m):
-        if scope is not None:
+        if scope == "graphs":  # dynamo splits the graph where it must (under FSDP: at its hooks)
+            m._compiled_call_impl = torch.compile(m._call_impl, fullgraph=False, options=options)
+        elif scope is not None:
             apply_compile(m, True, scope=scope, options=options)
+        if "norm" in mods:  # a function of this file: dynamo skips a torch.nn frame at the top
+            norm = m.norm
+            norm._compiled_call_impl = torch.compile(lambda *a: norm._call_impl(*a), fullgraph=True)
 
     if world > 1:
         dims = ParallelDims(dp_replicate=layout.get("dp_replicate", 1), dp_shard=layout.get("dp_shard", 1),
@@ -89,15 +101,22 @@ def _build(variant: str, size: str, layout: dict, seq: int):
         compile_(model)
     opt = build_optimizer(model, OptimSection(implementation="foreach" if "foreach" in mods else "auto"))
     loss_fn = torch.compile(_loss, fullgraph=True) if "loss" in mods else _loss
+    if "opt" in mods:
+        opt.step = torch.compile(opt.step, fullgraph=False)
     dp_rank = dims.dp_rank(mesh) if dims else 0
     return model, opt, loss_fn, dp_rank, (dims.dp_size if dims else 1)
 
 
-def _step(model, opt, loss_fn, x, y, bf16: bool) -> tuple[float, float, float]:
+def _step(model, opt, loss_fn, x, y, bf16: bool, ca: bool = False) -> tuple[float, float, float]:
+    from torch._dynamo.utils import maybe_enable_compiled_autograd
+
     started, cpu = time.perf_counter(), time.process_time()
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-        loss = loss_fn(model(x), y)
-    loss.backward()
+    with maybe_enable_compiled_autograd(ca, fullgraph=False):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            loss = loss_fn(model(x), y)
+        loss.backward()
+    if ca:
+        _finish_fsdp_backward(model)
     clip_grad_norm_([p for p in model.parameters() if p.grad is not None], 1.0)
     opt.step()
     opt.zero_grad(set_to_none=True)
@@ -106,6 +125,18 @@ def _step(model, opt, loss_fn, x, y, bf16: bool) -> tuple[float, float, float]:
         dist.all_reduce(value)
         value /= dist.get_world_size()
     return time.perf_counter() - started, time.process_time() - cpu, float(value)
+
+
+def _finish_fsdp_backward(model) -> None:
+    """Run FSDP2's end-of-backward callback where compiled autograd dropped it (torch 2.13).
+
+    FSDP2 queues it with the autograd engine's queue_callback from a hook that dynamo must not
+    trace; compiled autograd keeps only callbacks queued in traced code, so without this the
+    root unit (embedding, last norm, head) is never reduce-scattered nor resharded.
+    """
+    state = model._get_fsdp_state() if hasattr(model, "_get_fsdp_state") else None
+    if state is not None and state._state_ctx.post_backward_final_callback_queued:
+        state._root_post_backward_final_callback()
 
 
 def run(size: str, layout: dict, variants: list[str], batch: int, seq: int, steps: int) -> dict:
@@ -121,7 +152,7 @@ def run(size: str, layout: dict, variants: list[str], batch: int, seq: int, step
             rows = tokens[step, dp_rank * per:(dp_rank + 1) * per]
             if dist.is_initialized():
                 dist.barrier()
-            seconds, cpu, loss = _step(model, opt, loss_fn, rows[:, :-1], rows[:, 1:], "bf16" in v)
+            seconds, cpu, loss = _step(model, opt, loss_fn, rows[:, :-1], rows[:, 1:], "+bf16" in v, "+ca" in v)
             out[v]["times"].append(seconds)
             out[v]["cpu"].append(cpu)
             out[v]["losses"].append(loss)

@@ -9,7 +9,11 @@ gradient hooks run as in eager. Under FSDP, TP or a pipeline stage each block of
 is compiled on its own, as torchtitan does (torchtitan/distributed/compile.py `apply_compile`):
 the blocks share one code object and one shape, so dynamo traces one graph and every block
 reuses it (measured: `unique_graphs` 1 for 4 blocks), and FSDP2's all-gathers (dynamo skips FSDP
-hooks) and TP's DTensors stay outside or inside it as they are in eager. As `nn.Module.compile`
+hooks) and TP's DTensors stay outside or inside it as they are in eager. FSDP keeps block graphs
+on torch 2.13 (measured, docs/performance.md): its hooks are dynamo-disabled with no switch (no
+"traceable FSDP2"), a whole-model compile with graph breaks falls back to the same block graphs,
+and compiled autograd drops FSDP2's end-of-backward callback (the root unit is never
+reduce-scattered); compiling the last norm, the loss or the optimizer step gained nothing. As `nn.Module.compile`
 does, the compiled callable is only recorded on the module (`_compiled_call_impl`, which
 nn.Module's call uses), so the module, its parameter names and its place against fsdp/ddp stay
 as they were; it must come after activation checkpointing, which replaces each block with its
