@@ -114,6 +114,10 @@ def test_peer_holdings_and_the_agreed_step(tmp_path):
     assert best == 7 and fetch == {1: (0, held[0][2], held[0][3])}
     assert choose([[], []], 2, [{7}, set()]) == (None, {})
     assert choose([[], []], 2, [{5, 7}, {7, 8}])[0] == 7
+    # the lost host's replacement is rank 0 (the rendezvous orders agents by pid): the surviving
+    # host, now rank 1, holds its old rank 0's slot and rank 1's copy; rank 0 fetches from it
+    survivor = [(0, 7, 100, "/a/rank0"), (1, 7, 100, "/a/peer-rank1")]
+    assert choose([[], survivor], 2, [set(), {7}]) == (7, {0: (1, 100, "/a/rank0")})
 
 
 def test_rendezvous_defaults_only_where_unset_and_only_across_nodes():
