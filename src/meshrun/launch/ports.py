@@ -22,12 +22,13 @@ QUIET_POOL = (10000, 28999)
 PORT_RANGE_VAR = "MESHRUN_TEST_PORTS"  # LO-HI: a parallel test worker's own slice of QUIET_POOL
 
 
-def _ephemeral_start() -> int | None:
+def quiet_pool_usable() -> bool:
+    """Does QUIET_POOL lie below this machine's ephemeral range (Linux's ip_local_port_range)?"""
     try:
         with open("/proc/sys/net/ipv4/ip_local_port_range") as fp:
-            return int(fp.read().split()[0])
+            return int(fp.read().split()[0]) > QUIET_POOL[1]
     except (OSError, ValueError, IndexError):
-        return None
+        return False
 
 
 def free_port_in(lo: int, hi: int, host: str = "127.0.0.1") -> int | None:
@@ -59,8 +60,7 @@ def quiet_port(host: str = "127.0.0.1", environ: dict[str, str] | None = None) -
         if port is None:
             raise OSError(f"{PORT_RANGE_VAR}={spec}: no free port in the range")
         return port
-    start = _ephemeral_start()
-    if start is not None and start > QUIET_POOL[1]:
+    if quiet_pool_usable():
         port = free_port_in(*QUIET_POOL, host)
         if port is not None:
             return port

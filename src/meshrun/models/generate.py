@@ -165,7 +165,6 @@ def _load_hf_dir(transformers, path: Path) -> Loaded:
 
 
 def _load_run(transformers, path: Path) -> Loaded:
-
     from meshrun.checkpoint.export_tokenizer import token_ids, tokenizer_spec
     from meshrun.checkpoint.model_source import open_source
     from meshrun.data.tokenizer import load_tokenizer
