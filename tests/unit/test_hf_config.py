@@ -77,3 +77,8 @@ def test_tensor_parallel_rules_of_an_hf_model_are_checked_before_launch(tmp_path
     preflight(load_config(None, tp2), nproc_per_node="2")  # the workers check the built config's
     with pytest.raises(ConfigError, match=r"parallel.sequence_parallel=true is not offered"):
         preflight(load_config(None, [*tp2, "parallel.sequence_parallel=true"]), nproc_per_node="2")
+
+
+def test_a_name_too_long_for_the_filesystem_is_one_line():
+    with pytest.raises(ConfigError, match=r"model.hf='x{80}'\.\.\. is not a usable path \(File name too long\)"):
+        load_config(None, ["model.hf=" + "x" * 300])

@@ -33,7 +33,12 @@ def read_hf_config(path: str) -> dict[str, Any]:
     `model_type`, and safetensors weights. One ConfigError naming model.hf otherwise."""
     where = f"model.hf={path!r}"
     root = Path(path).expanduser()
-    if not root.is_dir():
+    try:
+        is_dir = root.is_dir()
+    except OSError as exc:  # a name too long for the filesystem, a path it cannot search...
+        raise ConfigError(f"model.hf={path[:80]!r}{'...' if len(path) > 80 else ''} is not a usable path "
+                          f"({exc.strerror}); give a local directory with config.json and *.safetensors") from None
+    if not is_dir:
         raise ConfigError(f"{where} is not a directory; give a local directory with config.json and "
                           "*.safetensors (e.g. from save_pretrained)")
     try:
