@@ -37,3 +37,9 @@ class DiskWriteError(MeshrunError):
     """A file could not be written (no space, read-only, I/O error): the job stops, nothing committed is lost."""
 
     exit_code = 1  # a failed job, not bad input
+
+
+def shown(value: object, width: int = 80) -> str:
+    """`value` quoted for a one-line message, cut at `width` characters (a path may be thousands)."""
+    text = str(value)
+    return f"{text[:width]!r}..." if len(text) > width else repr(text)

@@ -140,9 +140,22 @@ def problem(ckpt: Path, *, checksums: bool = True) -> str | None:
 
 
 def is_checkpoint(path: Path) -> bool:
-    """Does `path` look like a meshrun checkpoint at all (valid or not)?"""
+    """Does `path` look like a meshrun checkpoint at all (valid or not)? A path the filesystem
+    refuses (a name too long, a directory it cannot search) does not: `unusable` says why."""
     path = Path(path)
-    return path.is_dir() and ((path / MANIFEST).is_file() or (path / DCP_METADATA).is_file())
+    try:
+        return path.is_dir() and ((path / MANIFEST).is_file() or (path / DCP_METADATA).is_file())
+    except OSError:
+        return False
+
+
+def unusable(path: Path) -> str | None:
+    """Why the filesystem refuses to look at `path` at all (e.g. 'File name too long'), or None."""
+    try:
+        Path(path).exists()
+    except OSError as exc:
+        return exc.strerror or str(exc)
+    return None
 
 
 def write_latest(root: Path, name: str) -> None:

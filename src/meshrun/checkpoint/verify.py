@@ -12,6 +12,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from meshrun.checkpoint import manifest as mf
 from meshrun.checkpoint.manifest import CheckpointError
 from meshrun.checkpoint.safe_load import read_metadata
+from meshrun.errors import shown
 
 _FIX = ("resume with the model config it was saved with, or start fresh with --resume never "
         "(and --force, to set aside the checkpoints of a run that has some)")
@@ -69,6 +70,10 @@ def check_resume(resume: str, build_model: Callable[[], nn.Module]) -> None:
         return
     path = Path(resume)
     if not mf.is_checkpoint(path):
+        refused = mf.unusable(path)
+        if refused:  # one line, with the value cut: it may be thousands of characters
+            raise CheckpointError(f"--resume (checkpoint.resume) {shown(resume)}: "
+                                  f"not a usable path ({refused}); give a checkpoint directory, 'auto' or 'never'")
         raise CheckpointError(f"--resume {resume}: not a meshrun checkpoint directory; give one such as "
                               "runs/NAME/checkpoints/step-00000010 (see `meshrun ckpt list runs/NAME`), "
                               "'auto' or 'never'")

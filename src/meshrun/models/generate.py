@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from meshrun.errors import ConfigError
+from meshrun.errors import ConfigError, shown
 
 if TYPE_CHECKING:
     import torch
@@ -129,12 +129,17 @@ def generate_text(loaded: Loaded, prompt: str, sampler: Sampler) -> str:
 
 def load(path: Path) -> Loaded:
     """An HF directory, a run directory or a checkpoint directory, as a causal LM and its tokenizer."""
+    from meshrun.checkpoint import manifest as mf
+    from meshrun.checkpoint.runs import CONFIG_FILE
+
     path = Path(path)
+    refused = mf.unusable(path)
+    if refused:
+        raise ConfigError(f"{shown(path)} is not a usable path ({refused}); give "
+                          "a run directory (runs/NAME), a checkpoint or a Hugging Face model directory")
     if not path.exists():
         raise ConfigError(f"{path} does not exist; give a run directory (runs/NAME), a checkpoint "
                           "(runs/NAME/checkpoints/step-N) or a Hugging Face model directory")
-    from meshrun.checkpoint import manifest as mf
-    from meshrun.checkpoint.runs import CONFIG_FILE
 
     is_run = mf.is_checkpoint(path) or (path / CONFIG_FILE).is_file()
     if not is_run and not (path / "config.json").is_file():  # before the slow imports: bad input is quick

@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from meshrun.errors import ConfigError
+from meshrun.errors import ConfigError, shown
 from meshrun.models.args import ModelArgs
 
 CONFIG_FILE = "config.json"
@@ -36,7 +36,7 @@ def read_hf_config(path: str) -> dict[str, Any]:
     try:
         is_dir = root.is_dir()
     except OSError as exc:  # a name too long for the filesystem, a path it cannot search...
-        raise ConfigError(f"model.hf={path[:80]!r}{'...' if len(path) > 80 else ''} is not a usable path "
+        raise ConfigError(f"model.hf={shown(path)} is not a usable path "
                           f"({exc.strerror}); give a local directory with config.json and *.safetensors") from None
     if not is_dir:
         raise ConfigError(f"{where} is not a directory; give a local directory with config.json and "

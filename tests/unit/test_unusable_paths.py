@@ -1,0 +1,44 @@
+"""A path the filesystem refuses to look at (a name longer than NAME_MAX: OSError ENAMETOOLONG
+from `Path.is_dir`, which Python 3.11 does not swallow) is one line naming the key, the cut value
+and the reason, exit 2: never an OSError traceback. model.hf's case is in test_hf_config.py."""
+
+from __future__ import annotations
+
+import pytest
+
+from meshrun.checkpoint import manifest as mf
+from meshrun.checkpoint.manifest import CheckpointError
+from meshrun.checkpoint.verify import check_resume
+from meshrun.errors import ConfigError, MeshrunError, shown
+
+LONG = "x" * 300  # one name of 300 characters: over NAME_MAX (255) on every Linux filesystem
+
+
+def _no_model():
+    raise AssertionError("the model is built only for a path that is a checkpoint")
+
+
+def test_checkpoint_resume_with_a_name_too_long_is_one_line(tmp_path):
+    for value in (LONG, str(tmp_path / LONG / "step-00000010")):
+        with pytest.raises(CheckpointError, match=r"checkpoint.resume\) '.{80}'\.\.\.: not a usable path "
+                                                  r"\(File name too long\)") as info:
+            check_resume(value, _no_model)
+        assert isinstance(info.value, MeshrunError) and "\n" not in str(info.value)
+
+
+def test_is_checkpoint_says_no_and_unusable_says_why(tmp_path):
+    assert not mf.is_checkpoint(tmp_path / LONG)
+    assert mf.unusable(tmp_path / LONG) == "File name too long"
+    assert mf.unusable(tmp_path / "missing") is None  # absent is not refused: the callers say "not found"
+
+
+def test_generate_with_a_name_too_long_is_one_line(tmp_path):
+    from meshrun.models.generate import load
+
+    with pytest.raises(ConfigError, match=r"is not a usable path \(File name too long\)"):
+        load(tmp_path / LONG)
+
+
+def test_shown_cuts_long_values():
+    assert shown("abc") == "'abc'"
+    assert shown("y" * 81) == repr("y" * 80) + "..."
