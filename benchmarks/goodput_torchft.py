@@ -102,7 +102,7 @@ def run(cmd: list[str], run_dir: Path, *, kill_every: float | None, timeout: flo
         raise RuntimeError(f"{' '.join(cmd[:3])} committed no step; see {log}")
     return {**done, "rows": rows, "events": events,
             "end": max(r["time"] for r in rows), "steps": max(r["step"] for r in rows),
-            "acc": ledger.account(rows, GROUPS)}
+            "acc": ledger.account(rows, GROUPS, events)}
 
 
 def _note_restarts(kills: list[dict], events: list[dict]) -> None:

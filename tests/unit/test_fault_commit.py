@@ -69,22 +69,29 @@ def _replica(tmp_path, commits: list[bool]) -> tuple[Replica, State]:
     return replica, state
 
 
-def _train(replica, state, total: int, checkpointer) -> None:
-    """The trainer's loop (train/trainer.py) as far as torchft is concerned."""
+def _train(replica, state, total: int, checkpointer) -> list[tuple[int, float]]:
+    """The trainer's loop (train/trainer.py) as far as torchft is concerned; (step, the lr its
+    optimizer step ran at) for every attempt."""
+    used = []
     for step in replica.steps(state, total):
         next(state.train_loader)
+        used.append((step, state.optimizers[0].param_groups[0]["lr"]))
         state.optimizers[0].step()  # CommitOptimizer: asks the quorum, steps only if committed
         for scheduler in state.schedulers:
             scheduler.step()
         state.step = step
         replica.step_done(checkpointer, state)
+    return used
 
 
 def test_an_uncommitted_step_is_neither_checkpointed_nor_ledgered(tmp_path):
     replica, state = _replica(tmp_path, [True, False, True, True, True])
     checkpointer = RecordingCheckpointer()
-    _train(replica, state, 4, checkpointer)
+    used = _train(replica, state, 4, checkpointer)
     assert replica.retries == 1 and replica.commits == 4
+    # The retry of step 2 runs at step 2's lr, not step 3's: the scheduler's state is rolled back,
+    # and so is the lr it had written into the optimizer (torch's load_state_dict leaves that one).
+    assert used == [(1, 1.0), (2, 1 / 2), (2, 1 / 2), (3, 1 / 3), (4, 1 / 4)]
     # Step 2 failed once: the checkpointer saw it once, after its retry, at the data position and LR
     # of one step past step 1 (the failed attempt's position 8 and LR were rolled back, not doubled).
     assert checkpointer.seen == [(1, 4, 1 / 2), (2, 8, 1 / 3), (3, 12, 1 / 4), (4, 16, 1 / 5)]

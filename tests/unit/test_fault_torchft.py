@@ -87,6 +87,28 @@ def test_ledger_keeps_the_lineage_that_continued():
     assert acc.exact and acc.superseded == 1 and acc.covered == {0: 32}
 
 
+def test_ledger_discards_what_a_process_committed_before_it_healed():
+    """Seen under load: group 0 committed steps 1-2 with group 1 (both halves of [0, 32)), then
+    alone; group 1's replacement (pid 7), while group 0's heartbeat had lapsed, formed a quorum
+    by itself, committed steps 1-2 from scratch on [0, 16) with other weights, then healed to step
+    4. Those two rows are a thrown-away lineage: they neither supersede group 0's (which would
+    leave [16, 32) lost) nor count as differing weights."""
+    rows = [_row(1, 0, 0, 16, weights_sum=1.0), _row(2, 0, 16, 32), _row(3, 0, 32, 40, participants=1, time=3.0),
+            _row(4, 0, 40, 48, participants=1, time=4.0), _row(5, 0, 48, 64, time=6.0, weights_sum=5.0)]
+    lost = [_row(1, 1, 0, 8, participants=1, time=4.1, weights_sum=9.0) | {"pid": 7},
+            _row(2, 1, 8, 16, participants=1, time=4.2) | {"pid": 7}]
+    healed = [_row(5, 1, 48, 64, time=6.0, weights_sum=5.0) | {"pid": 7}]
+    events = [{"event": "start", "group": 1, "pid": 7, "time": 4.0},
+              {"event": "heal", "group": 1, "pid": 7, "time": 5.0, "from_step": 2, "to_step": 4}]
+    acc = ledger.account(rows + lost + healed, num_groups=2, events=events)
+    assert acc.exact and acc.covered == {0: 64} and acc.discarded == 2, ledger.describe(acc)
+    assert acc.weights_compared == 1 and not acc.weights_differ
+    assert acc.by_group == {0: 5, 1: 3}  # what each group committed, kept or not
+    assert "2 step(s) a group committed before it healed from a peer, discarded" in ledger.describe(acc)
+    without = ledger.account(rows + lost + healed, num_groups=2)  # the heal unknown: a gap and a false alarm
+    assert without.gaps == [(0, 16, 32)] and without.weights_differ == [1]
+
+
 def test_ledger_reads_rows_back_and_skips_a_torn_line(tmp_path):
     ledger.append_row(ledger.ledger_path(tmp_path, 0), _row(1, 0, 0, 8))
     with open(ledger.ledger_path(tmp_path, 0), "a") as fp:

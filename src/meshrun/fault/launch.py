@@ -183,7 +183,7 @@ def summarize(records: Path, num_groups: int, codes: list[int], *, seconds: floa
               weights_by: int | None = None) -> dict:
     """What the run's records say: per group its starts, heals and commits; the data check."""
     events = ledger.read_events(records)
-    acc = ledger.account(ledger.read_ledgers(records), num_groups)
+    acc = ledger.account(ledger.read_ledgers(records), num_groups, events)
     groups, lines = [], []
     for group in range(num_groups):
         mine = [e for e in events if e.get("group") == group]
@@ -204,5 +204,5 @@ def summarize(records: Path, num_groups: int, codes: list[int], *, seconds: floa
                                                 "did not finish)"))
     return {"seconds": round(seconds, 2), "final_weights_group": weights_by, "groups": groups, "steps": acc.steps, "samples": acc.samples,
             "exact": acc.exact, "gaps": acc.gaps, "overlaps": acc.overlaps, "dropped": acc.dropped, "superseded": acc.superseded,
-            "weights_compared": acc.weights_compared, "weights_differ": acc.weights_differ,
+            "discarded": acc.discarded, "weights_compared": acc.weights_compared, "weights_differ": acc.weights_differ,
             "lines": lines}

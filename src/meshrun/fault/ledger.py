@@ -16,7 +16,10 @@ neither lost nor seen.
 
 A step that two lineages committed (a group committed it, then died, and the survivor, which had
 not, committed it again with a smaller quorum) keeps the last row: the survivor's state is the
-one later steps build on.
+one later steps build on. A process that heals from a peer throws its whole state away, so the
+rows it wrote before that heal are discarded (`discarded`): e.g. a restarted group that formed a
+quorum by itself while a stalled survivor's heartbeat had lapsed, stepped from step 0, then
+healed to the survivor's step. Its quorum partners' rows of the same steps stay.
 """
 
 from __future__ import annotations
@@ -94,6 +97,7 @@ class Accounting:
     superseded: int = 0  # rows of a step replaced by a later commit of it
     by_group: dict[int, int] = field(default_factory=dict)  # group -> steps it committed
     alone: dict[int, int] = field(default_factory=dict)  # group -> steps committed with a smaller quorum
+    discarded: int = 0  # rows of a process written before it healed: a lineage no later step builds on
     weights_compared: int = 0  # steps two or more groups fingerprinted (after a quorum change or heal)
     weights_differ: list[int] = field(default_factory=list)  # ... whose fingerprints differed
 
@@ -117,14 +121,29 @@ def _tail(row: dict) -> tuple[int, int, int] | None:
     return row["epoch0"], row["end0"], row["epoch_end"]
 
 
-def account(rows: list[dict], num_groups: int | None = None) -> Accounting:
-    """Check that the committed steps of `rows` tile every epoch's order once (see the module doc)."""
+def discarded_by_heals(rows: list[dict], events: list[dict]) -> list[dict]:
+    """The rows a heal threw away: those a (group, pid) wrote before its last heal (module doc)."""
+    healed: dict[tuple[int, int], float] = {}
+    for event in events:
+        if event.get("event") == "heal":
+            key = (event["group"], event["pid"])
+            healed[key] = max(healed.get(key, event["time"]), event["time"])
+    return [row for row in rows if row["time"] < healed.get((row["group"], row["pid"]), float("-inf"))]
+
+
+def account(rows: list[dict], num_groups: int | None = None, events: list[dict] = ()) -> Accounting:
+    """Check that the committed steps of `rows` tile every epoch's order once (see the module doc);
+    `events` (heals) say which rows a heal discarded."""
     result = Accounting()
-    last: dict[int, dict] = {}
-    for row in sorted(rows, key=lambda r: r["time"]):
+    for row in rows:  # what each group committed, kept or not
         result.by_group[row["group"]] = result.by_group.get(row["group"], 0) + 1
         if num_groups and row["participants"] < num_groups:
             result.alone[row["group"]] = result.alone.get(row["group"], 0) + 1
+    thrown = {id(row) for row in discarded_by_heals(rows, list(events))}
+    result.discarded = len(thrown)
+    rows = [row for row in rows if id(row) not in thrown]
+    last: dict[int, dict] = {}
+    for row in sorted(rows, key=lambda r: r["time"]):
         previous = last.get(row["step"])
         if previous is not None and _pieces(previous) != _pieces(row):
             result.superseded += 1
@@ -165,6 +184,8 @@ def describe(acc: Accounting) -> str:
             f"epoch {e} [{a}, {b})" for e, a, b in sorted(acc.dropped))
     weights = (f"; weights equal across groups at {acc.weights_compared} checked step(s)" if not acc.weights_differ
                else f"; weights DIFFER across groups at steps {acc.weights_differ}")
+    if acc.discarded:
+        weights += f"; {acc.discarded} step(s) a group committed before it healed from a peer, discarded with its state"
     if acc.exact:
         return (f"data: {acc.steps} committed steps consumed {acc.samples} samples, each exactly once ({where})"
                 + weights)

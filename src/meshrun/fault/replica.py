@@ -17,8 +17,8 @@ TORCHFT_LIGHTHOUSE) it returns a `Replica`, which before each step:
    and nothing a missing group would have read is skipped;
 
 and after it: a step the groups did not commit (torchft's `should_commit` said no, e.g. a peer
-died mid all-reduce) is rolled back (data position, LR schedule, step) and run again; a
-committed one goes to the checkpointer (`step_done`: interval and SIGTERM saves) and to the
+died mid all-reduce) is rolled back (data position, LR schedule and the lr it set, step) and run
+again; a committed one goes to the checkpointer (`step_done`: interval and SIGTERM saves) and to the
 ledger (ledger.py); an uncommitted one reaches neither. Gradients are averaged within the group
 (the default process group) and then across the groups (torchft's reconfigurable gloo group,
 through its DDP comm hook).
@@ -26,6 +26,7 @@ through its DDP comm hook).
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 import time
@@ -203,7 +204,7 @@ class Replica:
                 started = time.time()
                 self.manager.start_quorum()
                 self._after_quorum(state, metrics, started)
-                before, lr_state = loader.state_dict(), schedulers[0].state_dict()
+                before, schedule = loader.state_dict(), schedule_state(schedulers)
                 yield state.step + 1
                 if self.optimizer.committed:
                     self.commits += 1
@@ -211,8 +212,7 @@ class Replica:
                 else:  # run the same step again, on the same data, at the same learning rate
                     self.retries += 1
                     loader.load_state_dict(before)
-                    for scheduler in schedulers:
-                        scheduler.load_state_dict(lr_state)
+                    restore_schedule(schedulers, schedule)
                     state.step -= 1
             if metrics is not None:
                 metrics.log_meta(event="torchft", group=self.group, heals=self.heals, commits=self.commits,
@@ -265,6 +265,22 @@ class Replica:
             self._fingerprint_next = False
             row["weights_sum"] = weights_sum(self.module)
         ledger.append_row(ledger.ledger_path(self.records, self.group), row)
+
+
+def schedule_state(schedulers) -> list[tuple[dict, list[dict]]]:
+    """What `restore_schedule` needs to run a step again at the same learning rate: each scheduler's
+    state and its optimizer's hyperparameters (every param_group key but the params)."""
+    return [(s.state_dict(), [copy.deepcopy({k: v for k, v in g.items() if k != "params"})
+                              for g in s.optimizer.param_groups]) for s in schedulers]
+
+
+def restore_schedule(schedulers, saved: list[tuple[dict, list[dict]]]) -> None:
+    """Undo the schedulers' step: torch's `load_state_dict` restores a scheduler's counter but
+    not the lr it already wrote into the optimizer's param_groups, so those are put back too."""
+    for scheduler, (state, groups) in zip(schedulers, saved, strict=True):
+        scheduler.load_state_dict(state)
+        for group, hyper in zip(scheduler.optimizer.param_groups, groups, strict=True):
+            group.update(copy.deepcopy(hyper))
 
 
 @torch.no_grad()
