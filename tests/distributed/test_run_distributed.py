@@ -169,6 +169,23 @@ def test_children_get_launcher_env_and_one_omp_thread(probe: list[dict[str, Any]
     assert "MESHRUN_TEST_MARK" not in os.environ  # the parent's environment is restored
 
 
+def _env_and_threads() -> tuple[str | None, int, int]:
+    return os.environ.get("MESHRUN_TEST_MARK"), torch.get_num_threads(), os.getppid()
+
+
+def test_each_run_gets_the_environment_of_its_call(probe: list[dict[str, Any]], monkeypatch) -> None:
+    """Ranks fork from a server started by an earlier run (the probe's), with that run's environment:
+    a later call's variables and OMP_NUM_THREADS still reach its ranks, as spawn would give them."""
+    monkeypatch.setenv("MESHRUN_TEST_MARK", "set after the server started")
+    [(mark, threads, parent)] = run_distributed(_env_and_threads, world_size=1, timeout=60, init=False,
+                                                env={"OMP_NUM_THREADS": "2"})
+    assert mark == "set after the server started" and threads == 2
+    [(mark, threads, _)] = run_distributed(_env_and_threads, world_size=1, timeout=60, init=False)
+    assert mark == "set after the server started" and threads == 1
+    if os.environ.get("MESHRUN_TEST_START", "forkserver") == "forkserver":
+        assert parent != os.getpid()  # forked from the server, not from this process
+
+
 def test_parallel_workers_pick_ports_from_disjoint_ranges(monkeypatch) -> None:
     ranges = [tuple(map(int, worker_range(i, 3).split("-"))) for i in range(3)]
     assert all(a[1] < b[0] for a, b in zip(ranges, ranges[1:], strict=False)) and ranges[-1][1] < 29400

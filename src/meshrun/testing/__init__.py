@@ -4,7 +4,7 @@
     import torch.distributed as dist
     from meshrun.testing import run_distributed
 
-    def all_reduce_ones() -> float:      # module level: spawned ranks import it by name
+    def all_reduce_ones() -> float:      # module level: the ranks import it by name
         t = torch.ones(1)
         dist.all_reduce(t)
         return t.item()

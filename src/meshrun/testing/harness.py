@@ -3,6 +3,14 @@
 The parent never blocks without a deadline: it waits on every rank's result pipe and process
 sentinel together (`multiprocessing.connection.wait`), and a `finally` stops every child it
 started, by pid (SIGTERM, then SIGKILL after a short grace).
+
+Ranks start from multiprocessing's forkserver with torch imported once (PRELOAD): a spawned rank
+paid `import torch` itself, about 2 s of CPU each, most of a short test's cost on 2 cores. The
+forkserver is one per process, started at the first run, single-threaded (it only imports; see
+meshrun.launch.preload for why that is fork-safe); each rank is a fresh fork of it, so nothing
+leaks from one run to the next. A rank gets the environment a spawned one would (the parent's
+at start(), plus its rank's variables): `run_rank` puts it in place before anything else, and sets
+torch's intra-op threads from OMP_NUM_THREADS (the server's OpenMP read its own at import).
 """
 
 from __future__ import annotations
@@ -37,6 +45,10 @@ from meshrun.testing.worker import run_rank
 FOLLOW_ON_GRACE_S = 3.0
 # How long a child gets to exit after SIGTERM before SIGKILL.
 TERM_GRACE_S = 2.0
+
+# Imported once by the forkserver the ranks fork from (what every rank would import first).
+PRELOAD = ("torch", "torch.distributed", "meshrun.runtime.session")
+START_METHOD = "forkserver"  # "spawn" when MESHRUN_TEST_START=spawn: each rank imports torch itself
 
 # The variables run_distributed sets for each rank; `env=` may not override them.
 _RANK_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -107,7 +119,7 @@ def run_distributed(
         raise ValueError(f"timeout must be > 0 seconds, got {timeout}")
     payload = _pickle_call(fn, args, kwargs)
     child_env = _child_env(world_size, env)
-    ctx = mp.get_context("spawn")  # fork would copy the parent's torch threads and locks
+    ctx = _context()
     tmp_dir = tempfile.mkdtemp(prefix="meshrun-testing-")
     deadline = time.monotonic() + timeout
     ranks: list[_Rank] = []
@@ -115,21 +127,44 @@ def run_distributed(
         for rank in range(world_size):
             reader, writer = ctx.Pipe(duplex=False)
             stack_path = os.path.join(tmp_dir, f"rank{rank}.stack")
+            mine = {**child_env, "RANK": str(rank), "LOCAL_RANK": str(rank)}
+            # The rank's whole environment, as spawn would copy it at start(): a forked rank applies it.
+            environ = {k: v for k, v in {**os.environ, **mine}.items() if v is not None}
             proc = ctx.Process(
                 target=run_rank,
-                args=(rank, payload, writer, init, backend, stack_path, os.getpid()),
+                args=(rank, payload, writer, init, backend, stack_path, _parent_pid(ctx), environ),
                 name=f"meshrun-rank{rank}",
             )
             ranks.append(_Rank(rank, proc, reader, stack_path))
-            # spawn copies os.environ at start(); set it there so OMP_NUM_THREADS is in place
-            # before the child imports torch.
-            with _patched_environ({**child_env, "RANK": str(rank), "LOCAL_RANK": str(rank)}):
+            # Spawn copies os.environ at start(), and so does the forkserver when this start
+            # launches it: OMP_NUM_THREADS is in place before either imports torch.
+            with _patched_environ(mine):
                 proc.start()
             writer.close()  # only the child holds the write end, so its exit reads as EOF
         return _collect(ranks, deadline, timeout)
     finally:
         _stop(ranks)
         shutil.rmtree(tmp_dir, ignore_errors=True)
+
+
+def _context():
+    """The start method's context; forkserver's with PRELOAD, unless MESHRUN_TEST_START=spawn."""
+    method = os.environ.get("MESHRUN_TEST_START", START_METHOD)
+    ctx = mp.get_context(method)
+    if method == "forkserver":
+        ctx.set_forkserver_preload(list(PRELOAD))  # read when the server starts: the first run here
+    return ctx
+
+
+def _parent_pid(ctx) -> int:
+    """The pid a rank's parent has: this process (spawn), or the forkserver, started if need be.
+    A rank exits when that parent does (PR_SET_PDEATHSIG), and the forkserver exits with this process."""
+    if ctx.get_start_method() != "forkserver":
+        return os.getpid()
+    from multiprocessing import forkserver
+
+    forkserver.ensure_running()
+    return forkserver._forkserver._forkserver_pid  # no public accessor; meshrun.launch.preload reads it too
 
 
 def _pickle_call(

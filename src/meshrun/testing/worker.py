@@ -1,4 +1,4 @@
-"""Child side of `run_distributed`: one rank's life, from spawn to exit, reported over a pipe.
+"""Child side of `run_distributed`: one rank's life, from start to exit, reported over a pipe.
 
 Messages sent to the parent, in order: ``("armed",)`` once stack dumps are armed,
 ``("running",)`` as fn is called, then ``("result", data)`` with the pickled return value;
@@ -36,10 +36,14 @@ def run_rank(
     backend: str | None,
     stack_path: str,
     parent_pid: int,
+    environ: dict[str, str] | None = None,
 ) -> None:
     """Run ``fn(*args, **kwargs)`` from ``payload`` as one rank; never returns: exit 0 after a
-    result (_exit_done), exit 1 right after a failure."""
+    result (_exit_done), exit 1 right after a failure. `environ`: the rank's whole environment,
+    for a rank forked from a server that started with another one."""
     _exit_with_parent(parent_pid)
+    if environ is not None:
+        _take_environ(environ)
     faulthandler.enable()  # a segfault or abort still prints this rank's Python stack to stderr
     _arm_stack_dump(stack_path)
     conn.send(("armed",))
@@ -71,6 +75,20 @@ def run_rank(
         sys.stderr.flush()
         os._exit(1)
     _exit_done()
+
+
+def _take_environ(environ: dict[str, str]) -> None:
+    """Make `environ` this process's environment; torch's intra-op threads follow OMP_NUM_THREADS
+    when torch came preloaded (its OpenMP read the variable when the server imported it)."""
+    import gc
+
+    gc.freeze()  # what the server imported is never garbage: collections skip it, pages stay shared
+    os.environ.clear()
+    os.environ.update(environ)
+    torch = sys.modules.get("torch")
+    threads = environ.get("OMP_NUM_THREADS", "")
+    if torch is not None and threads.isdigit() and int(threads) > 0:
+        torch.set_num_threads(int(threads))
 
 
 def _exit_done() -> None:
