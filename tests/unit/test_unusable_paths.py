@@ -42,3 +42,25 @@ def test_generate_with_a_name_too_long_is_one_line(tmp_path):
 def test_shown_cuts_long_values():
     assert shown("abc") == "'abc'"
     assert shown("y" * 81) == repr("y" * 80) + "..."
+
+
+@pytest.mark.parametrize("argv", [["ckpt", "list", LONG], ["data", "prepare", LONG, "--out", "OUT"]],
+                         ids=["ckpt-list", "data-prepare"])
+def test_any_command_given_a_name_too_long_says_one_line(argv, tmp_path, monkeypatch, capsys):
+    """The CLI's net for what no command checked first: one line naming the cut value, exit 2."""
+    from meshrun.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"meshrun {argv[0]}: error: '{'x' * 80}'... is not a usable path (File name too long)" in err
+    assert not (tmp_path / "OUT").exists()
+
+
+def test_a_directory_given_as_the_config_file_says_so(tmp_path):
+    from meshrun.cli.train import check_train_args
+
+    with pytest.raises(ConfigError, match=r"config file '.*' is a directory, not a .toml file"):
+        check_train_args([str(tmp_path)])
+    with pytest.raises(ConfigError, match=r"config file '.*' not found"):
+        check_train_args([str(tmp_path / "missing.toml")])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import importlib
 import sys
 
@@ -37,6 +38,10 @@ examples:
 """
 
 
+# What a path argument too long or looping gets from the filesystem, wherever a command first looks at it.
+REFUSED_PATH_ERRNOS = (errno.ENAMETOOLONG, errno.ELOOP)
+
+
 def _usage() -> str:
     rows = "\n".join(f"  {name:<8} {help_}" for name, (_, help_) in COMMANDS.items())
     return USAGE.format(commands=rows)
@@ -69,6 +74,14 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"meshrun {name}: interrupted", file=sys.stderr)
         return 130
+    except OSError as exc:  # a path given that the filesystem refuses to look at: bad input, one line
+        if exc.errno not in REFUSED_PATH_ERRNOS or exc.filename is None:
+            raise
+        from meshrun.errors import shown
+
+        print(f"meshrun {name}: error: {shown(exc.filename)} is not a usable path ({exc.strerror}); "
+              "give a shorter or existing path", file=sys.stderr)
+        return 2
     except BrokenPipeError:  # `meshrun diagnose --json | head`: the reader left; not an error of ours
         import os
 

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from meshrun.config import JobConfig, load_config, save_config, set_hint
 from meshrun.config.validate import check_job
-from meshrun.errors import ConfigError, LaunchError
+from meshrun.errors import ConfigError, LaunchError, shown
 from meshrun.fault.settings import check_fault, is_torchft
 from meshrun.launch.args import build_parser as build_launch_parser
 from meshrun.launch.args import parse_nnodes
@@ -191,7 +191,8 @@ def check_train_args(argv: list[str]) -> tuple[argparse.Namespace, JobConfig, ar
     check_unknown_flags(parser, rest)
     args = parser.parse_args(rest)
     if args.config and not os.path.isfile(args.config):
-        raise ConfigError(f"config file {args.config!r} not found; see examples/configs/ for examples")
+        what = "is a directory, not a .toml file" if os.path.isdir(args.config) else "not found"
+        raise ConfigError(f"config file {shown(args.config)} {what}; see examples/configs/ for examples")
     overrides = args.overrides + ([f"checkpoint.resume={args.resume}"] if args.resume else [])
     cfg = load_config(args.config, overrides)
     if cfg.checkpoint.resume not in ("auto", "never"):
