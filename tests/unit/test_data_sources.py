@@ -233,3 +233,23 @@ def test_missing_extra_is_one_line_naming_it(files, tok_dir: Path, tmp_path: Pat
         f"meshrun data: error: data.tokenizer={str(tok_dir.resolve())!r} needs tokenizers: pip install 'meshrun[hf]' "
         "(or pip install tokenizers), or use data.tokenizer=\"byte\"",
     ], result.stderr
+
+
+def test_a_failed_prepare_keeps_the_directory_it_would_replace(tmp_path: Path):
+    """A prepare that fails (an input not UTF-8 past its first chunk) leaves an earlier prepared
+    --out usable, byte for byte, and removes an --out it created itself; device files are refused."""
+    good, bad = tmp_path / "good.txt", tmp_path / "bad.txt"
+    good.write_text("hello world\n" * 50)
+    bad.write_bytes(b"fine text\n" * 5 + b"\xff\xfe")
+    out = tmp_path / "tokens"
+    prepare_tokens([good], out, ByteTokenizer())
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    with pytest.raises(DataError, match="not UTF-8"):
+        prepare_tokens([bad], out, ByteTokenizer())
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert open_token_dir(out, vocab_size=ByteTokenizer().vocab_size)[1].num_tokens == 600 + 1  # and an eos
+    with pytest.raises(DataError, match="not UTF-8"):
+        prepare_tokens([bad], tmp_path / "new", ByteTokenizer())
+    assert not (tmp_path / "new").exists()
+    with pytest.raises(DataError, match="is not a regular file"):
+        load_data_tokens("/dev/zero", ByteTokenizer())

@@ -199,6 +199,9 @@ def load_data_tokens(path: str, tokenizer: Tokenizer, *,
         tokens, meta = open_token_dir(p, vocab_size=vocab_size)
         _check_tokenizer_matches(p, meta.tokenizer, tokenizer)
         return tokens, meta.val_fraction
+    if not p.is_file():  # a device, FIFO or socket: /dev/zero would be read forever
+        raise DataError(f"data.path={str(path)!r} is not a regular file; give a text file, a directory from "
+                        "`meshrun data prepare FILE --out DIR`, or \"\" for the built-in corpus")
     ids = encode_file(p, tokenizer)
     if tokenizer.eos_id is not None:
         ids = torch.cat([ids, torch.tensor([tokenizer.eos_id])])

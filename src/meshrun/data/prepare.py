@@ -9,6 +9,7 @@ number of workers. Inputs stream: a batch of documents at a time, never a whole 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -52,6 +53,14 @@ def _check_out(out: Path) -> None:
         raise DataError("meshrun token files are little-endian, and this machine is big-endian")
 
 
+def _abandon(tmp: Path, created: Path | None) -> None:
+    """A failed prepare: its partial tokens go, and so does the --out directory it created (if empty)."""
+    tmp.unlink(missing_ok=True)
+    if created is not None:
+        with contextlib.suppress(OSError):
+            created.rmdir()
+
+
 def prepare_tokens(sources: list[str | Path], out_dir: str | Path, tokenizer: Tokenizer, *,
                    val_fraction: float | None = None, text_field: str = DEFAULT_TEXT_FIELD,
                    split: str | None = None, workers: int = 1,
@@ -72,9 +81,9 @@ def prepare_tokens(sources: list[str | Path], out_dir: str | Path, tokenizer: To
         raise DataError(f"--val-fraction must be in [0, 1), got {val_fraction}")
     out = Path(out_dir).expanduser()
     _check_out(out)
+    created = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
     dtype = dtype_for_vocab(tokenizer.vocab_size)
-    (out / META_FILE).unlink(missing_ok=True)  # no meta = not a usable directory, until we finish
     sizes = [src.size() for src in inputs]
     if progress is not None:
         progress.start(sum(sizes))
@@ -94,16 +103,17 @@ def prepare_tokens(sources: list[str | Path], out_dir: str | Path, tokenizer: To
                 if progress is not None:
                     progress.update(sum(sizes[:done.source]) + done.done_bytes, num_docs, num_tokens)
     except BaseException:
-        tmp.unlink(missing_ok=True)
+        _abandon(tmp, out if created else None)  # a directory prepared before stays as it was
         if progress is not None:
             progress.close(summary=False)
         raise
     if progress is not None:
         progress.close()
     if num_tokens == 0:
-        tmp.unlink()
+        _abandon(tmp, out if created else None)
         records = "" if all(type(s) is Source for s in inputs) else f" (records' field {text_field!r})"
         raise DataError(f"the inputs {[str(s) for s in sources]} hold no text{records}")
+    (out / META_FILE).unlink(missing_ok=True)  # no meta = not a usable directory, until the new one is written
     os.replace(tmp, out / TOKENS_FILE)
     described = []
     for src, (tokens, docs) in zip(inputs, counts, strict=True):

@@ -104,6 +104,8 @@ def text_chunks(path: Path) -> Iterator[tuple[str, int]]:
     except UnicodeDecodeError as exc:
         raise DataError(f"{path} is not UTF-8 text ({exc.reason} at byte {exc.start} of a chunk); "
                         "convert it to UTF-8 first") from None
+    except OSError as exc:  # unreadable: permissions, an I/O error
+        raise DataError(f"{path} cannot be read ({exc.strerror or exc}); give a readable text file") from None
 
 
 class Source:
