@@ -4,6 +4,8 @@ and the reason, exit 2: never an OSError traceback. model.hf's case is in test_h
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from meshrun.checkpoint import manifest as mf
@@ -64,3 +66,20 @@ def test_a_directory_given_as_the_config_file_says_so(tmp_path):
         check_train_args([str(tmp_path)])
     with pytest.raises(ConfigError, match=r"config file '.*' not found"):
         check_train_args([str(tmp_path / "missing.toml")])
+
+
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux /proc")
+def test_directories_a_filesystem_refuses_to_create_are_one_line(tmp_path, monkeypatch, capsys):
+    """/proc passes access() for root and then refuses mkdir: the run directory and --log-dir
+    still fail with one line, exit 2, and no worker starts."""
+    from meshrun.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "s.py").write_text("raise SystemExit('a worker started')\n")
+    assert main(["launch", "--nproc-per-node", "1", "--log-dir", "/proc/meshrun-x", "s.py"]) == 2
+    assert "--log-dir '/proc/meshrun-x' cannot be created" in capsys.readouterr().err
+    from meshrun.cli.train import claim_run_dir
+    from meshrun.config import load_config
+
+    with pytest.raises(ConfigError, match=r"train.run_dir/train.name '/proc/meshrun-x' cannot be created"):
+        claim_run_dir(load_config(None, ["train.run_dir=/proc/meshrun-x"]), None)

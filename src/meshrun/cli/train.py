@@ -148,15 +148,26 @@ def claim_run_dir(cfg: JobConfig, job: str | None):
     root = Path(cfg.train.run_dir)
     if cfg.train.name:
         run_dir = root / cfg.train.name
-        run_dir.mkdir(parents=True, exist_ok=True)
+        _make_dir(run_dir)
         return run_dir, RunLock.acquire(run_dir, job)  # RunDirBusy (exit 2) names the live holder
     claimed = claim_unfinished_run(cfg, job)  # an unnamed re-run continues its unfinished run, not a new one
     if claimed is not None:
         print(f"meshrun train: continuing the unfinished run {claimed[0]} (same settings, has a checkpoint); "
               "--resume never starts a new run", file=sys.stderr)
         return claimed
+    _make_dir(root)
     run_dir = create_unique(root, time.strftime("%Y%m%d-%H%M%S"))
     return run_dir, RunLock.acquire(run_dir, job)
+
+
+def _make_dir(path: Path) -> None:
+    """mkdir -p, or one line naming train.run_dir: the checks before launch ask access(), which
+    a filesystem such as /proc answers yes to and then refuses the mkdir."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"train.run_dir/train.name {shown(str(path))} cannot be created ({exc.strerror or exc}); "
+                          "give a directory you can write") from None
 
 
 def check_unknown_flags(parser: argparse.ArgumentParser, rest: list[str]) -> None:

@@ -15,7 +15,7 @@ import os
 import sys
 import tempfile
 
-from meshrun.errors import LaunchError
+from meshrun.errors import LaunchError, shown
 from meshrun.launch import attempts
 from meshrun.launch.plan import RANK_PREFIX, WORKER_MAIN, LaunchPlan, plan_launch
 from meshrun.launch.preflight import check_rendezvous
@@ -45,6 +45,9 @@ def build_launch(plan: LaunchPlan, log_dir: str):
         config, cmd, cmd_args = torch_elastic.build_config(plan.torch_options(log_dir), plan.env)
     except (AssertionError, ValueError, RuntimeError) as exc:
         raise LaunchError(f"invalid launch options: {exc}") from None
+    except OSError as exc:  # torch creates the log directory here (e.g. under /proc: access() said yes)
+        raise LaunchError(f"--log-dir {shown(log_dir)} cannot be created ({exc.strerror or exc}); "
+                          "give a directory you can write, or leave --log-dir out") from None
     if plan.log_line_prefix:
         config.log_line_prefix_template = plan.log_line_prefix
     if plan.wrap_python and isinstance(cmd, str) and plan.preload:
