@@ -83,3 +83,15 @@ def test_directories_a_filesystem_refuses_to_create_are_one_line(tmp_path, monke
 
     with pytest.raises(ConfigError, match=r"train.run_dir/train.name '/proc/meshrun-x' cannot be created"):
         claim_run_dir(load_config(None, ["train.run_dir=/proc/meshrun-x"]), None)
+
+
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux /proc")
+def test_an_output_the_filesystem_refuses_is_one_line(tmp_path, monkeypatch, capsys):
+    """The CLI's net for a file no check caught first (here data prepare's --out under /proc)."""
+    from meshrun.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "t.txt").write_text("hello world\n")
+    assert main(["data", "prepare", "t.txt", "--out", "/proc/meshrun-x"]) == 2
+    err = capsys.readouterr().err
+    assert err == "meshrun data: error: '/proc/meshrun-x': No such file or directory\n"

@@ -40,6 +40,7 @@ examples:
 
 # What a path argument too long or looping gets from the filesystem, wherever a command first looks at it.
 REFUSED_PATH_ERRNOS = (errno.ENAMETOOLONG, errno.ELOOP)
+MACHINE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EIO)  # the machine failed, not the input: exit 1
 
 
 def _usage() -> str:
@@ -74,14 +75,17 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"meshrun {name}: interrupted", file=sys.stderr)
         return 130
-    except OSError as exc:  # a path given that the filesystem refuses to look at: bad input, one line
-        if exc.errno not in REFUSED_PATH_ERRNOS or exc.filename is None:
+    except OSError as exc:  # a file the command could not read or write, that no check caught first
+        if exc.filename is None:
             raise
         from meshrun.errors import shown
 
-        print(f"meshrun {name}: error: {shown(exc.filename)} is not a usable path ({exc.strerror}); "
-              "give a shorter or existing path", file=sys.stderr)
-        return 2
+        if exc.errno in REFUSED_PATH_ERRNOS:
+            print(f"meshrun {name}: error: {shown(exc.filename)} is not a usable path ({exc.strerror}); "
+                  "give a shorter or existing path", file=sys.stderr)
+            return 2
+        print(f"meshrun {name}: error: {shown(exc.filename)}: {exc.strerror or exc}", file=sys.stderr)
+        return 1 if exc.errno in MACHINE_ERRNOS else 2
     except BrokenPipeError:  # `meshrun diagnose --json | head`: the reader left; not an error of ours
         import os
 
