@@ -9,6 +9,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -81,9 +82,9 @@ def test_two_jobs_started_together_both_succeed(tmp_path):
     results = {}
 
     def job(name):
-        (tmp_path / name).mkdir()
+        (tmp_path / name / "tmp").mkdir(parents=True)
         results[name] = meshrun("launch", "--nproc-per-node", "2", script, "--epochs", "1",
-                                cwd=tmp_path / name, timeout=180)
+                                cwd=tmp_path / name, timeout=180, env={"TMPDIR": str(tmp_path / name / "tmp")})
 
     threads = [threading.Thread(target=job, args=(n,)) for n in ("a", "b")]
     for t in threads:
@@ -92,6 +93,8 @@ def test_two_jobs_started_together_both_succeed(tmp_path):
         t.join()
     for name, result in results.items():
         assert result.returncode == 0, f"job {name}: {result.output}"
+        # a clean run leaves no temp log directory behind (a failed one keeps it: the test below)
+        assert not list((tmp_path / name / "tmp").glob("meshrun-launch-*")), f"job {name}"
 
 
 def test_rank_raising_is_summarized_with_rank_type_message_and_site(write_script):
@@ -107,7 +110,8 @@ def test_rank_raising_is_summarized_with_rank_type_message_and_site(write_script
     assert "ValueError: bad batch at step 3" in result.stderr
     assert f"at {script}:12 in <module>" in result.stderr, result.stderr
     assert "rank 1 reached step 3" in result.stderr.split("failed first")[1]  # last output lines
-    assert re.search(r"rank 1's full output: \S+/attempt_0/1/stderr\.log", result.stderr)
+    kept = re.search(r"rank 1's full output: (\S+/attempt_0/1/stderr\.log)", result.stderr)
+    assert kept and Path(kept[1]).is_file(), result.stderr  # the failed job's temp log directory stays
 
 
 def test_rank_killed_by_sigkill_is_named(write_script):

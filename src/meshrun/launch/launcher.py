@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import sys
 import tempfile
 
@@ -75,7 +76,10 @@ def run_plan(plan: LaunchPlan) -> int:
     except LaunchError as exc:
         from meshrun.launch.summary import record_launch_error
 
-        record_launch_error(log_dir, str(exc), "preflight")
+        if plan.log_dir is None:  # a temp dir nobody is told of: the one line is the whole record
+            shutil.rmtree(log_dir, ignore_errors=True)
+        else:
+            record_launch_error(log_dir, str(exc), "preflight")
         raise
     recorder = attempts.install(log_dir, config.max_restarts, config.logs_specs)
     try:
@@ -105,6 +109,8 @@ def run_plan(plan: LaunchPlan) -> int:
     if recorder.lines:
         print(f"meshrun: the job succeeded after {len(recorder.lines)} failed attempt(s); "
               f"see {os.path.join(log_dir, attempts.FAILURES_FILE)}", file=sys.stderr)
+    elif plan.log_dir is None:  # a clean run in a temp dir nobody asked for: leave nothing behind
+        shutil.rmtree(log_dir, ignore_errors=True)
     return 0
 
 
