@@ -44,7 +44,7 @@ def _alive_child(p: int, parent: int, ppid) -> bool:
 
 
 def test_hsdp_group_heals_from_survivor(tmp_path):
-    run_dir, records, log = tmp_path / "ft", tmp_path / "ft" / "torchft", tmp_path / "train.log"
+    records, log = tmp_path / "ft" / "torchft", tmp_path / "train.log"
     cmd = [str(BIN / "meshrun"), "train", TINY, "--set", "train.name=ft", "--set", f"train.run_dir={tmp_path}",
            "--set", "fault.mode=torchft", "--set", "fault.group_size=2", "--set", "parallel.strategy=fsdp",
            "--set", "fault.heartbeat_timeout_ms=1000", "--set", "train.steps=5000", "--set", "train.eval_interval=0",

@@ -132,6 +132,7 @@ def _weights_only_transport(timeout: timedelta):
 
 class Replica:
     """This worker's Manager, and the steps of a torchft run (see the module doc)."""
+    sharded = False  # FSDP inside the group (HSDP, hsdp.py); __init__ sets it
 
     def __init__(self, fault, env, layout, state):
         from torchft import Manager, ProcessGroupGloo
