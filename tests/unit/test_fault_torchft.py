@@ -26,7 +26,6 @@ def test_fault_keys_are_checked(overrides, message):
 @pytest.mark.parametrize(("overrides", "nnodes", "fix"), [
     (["parallel.strategy=fsdp", "parallel.tp=2"], "1", "got parallel.tp = 2; set parallel.tp = 1, or fault.mode = 'exact'"),
     (["parallel.strategy=fsdp", "parallel.pp=2"], "1", "got parallel.pp = 2; set parallel.pp = 1"),
-    (["parallel.strategy=fsdp"], "1", "needs parallel.strategy = 'ddp', got 'fsdp'"),
     (["train.dtype=fp16"], "1", "does not take train.dtype = 'fp16'"),
     ([], "1:2", "on one host for now, got --nnodes 1:2"),
 ])

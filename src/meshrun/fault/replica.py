@@ -21,7 +21,7 @@ died mid all-reduce) is rolled back (data position, LR schedule and the lr it se
 again; a committed one goes to the checkpointer (`step_done`: interval and SIGTERM saves) and to the
 ledger (ledger.py); an uncommitted one reaches neither. Gradients are averaged within the group
 (the default process group) and then across the groups (torchft's reconfigurable gloo group,
-through its DDP comm hook).
+through its DDP comm hook; HSDP groups, FSDP inside: through FSDP's all-reduce hook, hsdp.py).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from meshrun.fault import ledger
+from meshrun.fault import hsdp, ledger
 from meshrun.fault.settings import (
     GROUP_ENV,
     LIGHTHOUSE_ENV,
@@ -132,6 +132,7 @@ def _weights_only_transport(timeout: timedelta):
 
 class Replica:
     """This worker's Manager, and the steps of a torchft run (see the module doc)."""
+    sharded = False  # FSDP inside the group (HSDP, hsdp.py); __init__ sets it
 
     def __init__(self, fault, env, layout, state):
         from torchft import Manager, ProcessGroupGloo
@@ -153,7 +154,11 @@ class Replica:
         self.manager.register_state_dict_fn("meshrun", self._load_state, self._state)
         part = layout.parts[0]
         self.module = part.module if isinstance(part, nn.parallel.DistributedDataParallel) else part
-        layout.parts[0] = _group_ddp(self.manager, self.module, env.world_size)
+        self.sharded = hsdp.is_sharded(part)  # HSDP: FSDP inside the group, torchft across (hsdp.py)
+        if self.sharded:
+            hsdp.attach(self.manager, part)
+        else:  # DDP inside the group
+            layout.parts[0] = _group_ddp(self.manager, self.module, env.world_size)
         self.optimizer = CommitOptimizer(self.manager, state.optimizers[0])
         state.optimizers[0] = self.optimizer
         self.state = state
@@ -168,16 +173,15 @@ class Replica:
     # -- the state a recovering peer receives ------------------------------------------------
 
     def _state(self) -> dict:
-        s = self.state
-        return {"model": self.module.state_dict(), "optim": self.optimizer.inner.state_dict(),
+        s = self.state  # HSDP: rank i's shards, for the healing group's rank i (hsdp.py)
+        return {**hsdp.model_state(self.module, self.optimizer.inner, self.sharded),
                 "scheduler": s.schedulers[0].state_dict(), "data": s.train_loader.state_dict(),
                 "step": s.step}
 
     def _load_state(self, saved: dict) -> None:
         s = self.state
         self._healed_from = s.step
-        self.module.load_state_dict(saved["model"])
-        self.optimizer.inner.load_state_dict(saved["optim"])
+        hsdp.load_model_state(self.module, self.optimizer.inner, saved, self.sharded)
         for scheduler in s.schedulers:
             scheduler.load_state_dict(saved["scheduler"])
         s.train_loader.load_state_dict(saved["data"])
@@ -254,6 +258,10 @@ class Replica:
         loader.load_state_dict(position)
 
     def _write_row(self, step: int, before: dict, after: dict) -> None:
+        fingerprint = None  # groups in one quorum hold equal weights: the rows of a step must agree
+        if self._fingerprint_next and (self.sharded or self.writer):  # sharded: a collective, every rank
+            fingerprint = (hsdp.weights_sum if self.sharded else weights_sum)(self.module)
+        self._fingerprint_next = False
         if not self.writer:
             return
         row = {"step": step, "group": self.group, "pid": os.getpid(), "time": round(time.time(), 4),
@@ -261,9 +269,8 @@ class Replica:
                "epoch1": after["epoch"], "pos1": after["consumed"], "epoch_end": before["num_samples"]}
         if after["epoch"] != before["epoch"]:  # past the epoch's end: where its samples stopped
             row["end0"] = ledger.epoch_end_taken(before, self.state.train_loader.dataloader.batch_size)
-        if self._fingerprint_next:  # groups in one quorum hold equal weights: the rows of a step must agree
-            self._fingerprint_next = False
-            row["weights_sum"] = weights_sum(self.module)
+        if fingerprint is not None:
+            row["weights_sum"] = fingerprint
         ledger.append_row(ledger.ledger_path(self.records, self.group), row)
 
 

@@ -249,11 +249,9 @@ def check_compile(compile_on: bool, tp: int, sequence_parallel: bool) -> None:
 
 
 def check_replica_groups(mode: str, strategy: str, tp: int, pp: int) -> None:
-    """torchft replica groups (fault.mode) are data-parallel DDP groups: no TP, PP or FSDP inside."""
+    """torchft replica groups (fault.mode) are data-parallel groups, DDP or FSDP (HSDP across the
+    groups) inside: no TP or PP."""
     for key, value in (("parallel.tp", tp), ("parallel.pp", pp)):
         if value != 1:
             raise ConfigError(f"{mode} runs data-parallel replica groups only, got {key} = {value}; "
                               f"set {key} = 1, or fault.mode = 'exact'")
-    if strategy != "ddp":
-        raise ConfigError(f"{mode} needs parallel.strategy = 'ddp', got {strategy!r} (HSDP replica groups "
-                          "are not built yet); set parallel.strategy = 'ddp', or fault.mode = 'exact'")
