@@ -47,3 +47,21 @@ def test_flags_left_at_their_defaults_are_not_passed(tmp_path):
     # --tee 3: what plan_launch makes of no --tee and no --redirects, as each group's own launch would too
     assert flags == ["--nproc-per-node", "1", "--max-restarts", "0", "--tee", "3",
                      "--log-dir", str(tmp_path / "logs" / "replica-1")]
+
+
+def test_a_finished_group_directory_trains_again(tmp_path: Path):
+    """A torchft run trained further (a higher train.steps and --force): group 1's directory had
+    finished too, and its workers would exit at once ("has finished; not training it again")
+    leaving group 0 alone. Its final weights are set aside as the run's are."""
+    from meshrun.checkpoint.runs import FINAL_WEIGHTS, finished_step, write_finished
+    from meshrun.fault.launch import reopen_group
+
+    gdir = tmp_path / "replica-1"
+    gdir.mkdir()
+    (gdir / FINAL_WEIGHTS).write_bytes(b"weights of step 20")
+    write_finished(gdir, 20)
+    reopen_group(gdir)
+    assert finished_step(gdir) is None
+    assert (gdir / "model.step-00000020.pt").read_bytes() == b"weights of step 20"
+    reopen_group(gdir)  # an unfinished group: nothing to do
+    assert sorted(p.name for p in gdir.iterdir()) == ["model.step-00000020.pt"]

@@ -23,7 +23,13 @@ import sys
 import time
 from pathlib import Path
 
-from meshrun.checkpoint.runs import CONFIG_FILE, FINAL_WEIGHTS, finished_step, write_finished
+from meshrun.checkpoint.runs import (
+    CONFIG_FILE,
+    FINAL_WEIGHTS,
+    finished_step,
+    set_aside_final,
+    write_finished,
+)
 from meshrun.config import JobConfig
 from meshrun.errors import ConfigError
 from meshrun.extras import import_extra
@@ -77,6 +83,15 @@ def group_command(cfg: JobConfig, plan, run_dir: Path, group: int) -> list[str]:
             *group_launch_flags(plan.options), "--log-dir", str(log_dir), "-m", "meshrun.train.worker", *worker_args]
 
 
+def reopen_group(gdir: Path) -> None:
+    """A group directory that finished an earlier start of this run trains again: `meshrun train`
+    let this start go ahead (the run unfinished, or --force set aside its final weights), and a
+    finished group's workers would otherwise exit at once, leaving the others to train alone."""
+    done = finished_step(gdir)
+    if done is not None:
+        set_aside_final(gdir, done)
+
+
 def run_replica_groups(cfg: JobConfig, plan, run_dir: Path) -> int:
     """Run every replica group to its end under one lighthouse; the job's exit code."""
     # torchft's Rust servers log every quorum at INFO; warnings and errors only, unless RUST_LOG says.
@@ -113,6 +128,7 @@ def run_replica_groups(cfg: JobConfig, plan, run_dir: Path) -> int:
             if group:
                 gdir.mkdir(exist_ok=True)
                 shutil.copyfile(run_dir / CONFIG_FILE, gdir / CONFIG_FILE)
+                reopen_group(gdir)
             out = None if group == 0 else open(records / f"launch-g{group}.out", "ab")  # noqa: SIM115
             children.append(subprocess.Popen(group_command(cfg, plan, run_dir, group),
                                              env={**env, GROUP_ENV: str(group)}, stdout=out,
