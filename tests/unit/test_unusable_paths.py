@@ -95,3 +95,18 @@ def test_an_output_the_filesystem_refuses_is_one_line(tmp_path, monkeypatch, cap
     assert main(["data", "prepare", "t.txt", "--out", "/proc/meshrun-x"]) == 2
     err = capsys.readouterr().err
     assert err == "meshrun data: error: '/proc/meshrun-x': No such file or directory\n"
+
+
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux /proc")
+def test_train_with_a_log_dir_that_cannot_be_made_leaves_no_run_directory(tmp_path, monkeypatch, capsys):
+    """`meshrun train --log-dir` is checked before the run directory is created: the one line,
+    exit 2, and no empty run directory (nor config.toml) left behind."""
+    from meshrun.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    tiny = Path(__file__).resolve().parents[2] / "examples" / "configs" / "tiny.toml"
+    argv = ["train", str(tiny), "--log-dir", "/proc/meshrun-x", "--set", f"train.run_dir={tmp_path / 'runs'}",
+            "--set", "train.name=t"]
+    assert main(argv) == 2
+    assert "--log-dir '/proc/meshrun-x' cannot be created" in capsys.readouterr().err
+    assert not (tmp_path / "runs").exists()

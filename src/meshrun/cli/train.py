@@ -227,7 +227,7 @@ def check_train_args(argv: list[str]) -> tuple[argparse.Namespace, JobConfig, ar
 
 def main(argv: list[str]) -> int:
     args, cfg, launch_args, options = check_train_args(argv)
-    from meshrun.launch.launcher import run_plan  # torch from here on
+    from meshrun.launch.launcher import check_log_dir, run_plan  # torch from here on
     from meshrun.train.preflight import preflight
 
     plan = plan_launch(launch_args, checked=options)
@@ -249,6 +249,7 @@ def main(argv: list[str]) -> int:
 
     multi_node = parse_nnodes(plan.nnodes)[1] > 1
     job = f"{plan.options.rdzv_endpoint}|{plan.options.rdzv_id}" if multi_node else None
+    check_log_dir(plan.log_dir)  # before the run directory exists: a failure here leaves none behind
     run_dir, lock = claim_run_dir(cfg, job)  # held until the run ends: one owner per run directory
     with lock:
         start = plan_start(run_dir, cfg, force=args.force)  # refuses what would rewrite the run's history

@@ -38,6 +38,21 @@ def run_launch(args: argparse.Namespace) -> int:
     return run_plan(plan)
 
 
+def check_log_dir(log_dir: str | None) -> None:
+    """Create a --log-dir the user gave, or one line (LaunchError): before `meshrun train` creates
+    its run directory, so a log directory that cannot be made leaves nothing behind."""
+    if log_dir:
+        try:
+            os.makedirs(log_dir, exist_ok=True)
+        except OSError as exc:
+            raise _log_dir_error(log_dir, exc) from None
+
+
+def _log_dir_error(log_dir: str, exc: OSError) -> LaunchError:
+    return LaunchError(f"--log-dir {shown(log_dir)} cannot be created ({exc.strerror or exc}); "
+                       "give a directory you can write, or leave --log-dir out")
+
+
 def build_launch(plan: LaunchPlan, log_dir: str):
     """(LaunchConfig, entrypoint, entrypoint args) for a plan whose logs go to `log_dir`."""
     from meshrun.launch import torch_elastic
@@ -47,8 +62,7 @@ def build_launch(plan: LaunchPlan, log_dir: str):
     except (AssertionError, ValueError, RuntimeError) as exc:
         raise LaunchError(f"invalid launch options: {exc}") from None
     except OSError as exc:  # torch creates the log directory here (e.g. under /proc: access() said yes)
-        raise LaunchError(f"--log-dir {shown(log_dir)} cannot be created ({exc.strerror or exc}); "
-                          "give a directory you can write, or leave --log-dir out") from None
+        raise _log_dir_error(log_dir, exc) from None
     if plan.log_line_prefix:
         config.log_line_prefix_template = plan.log_line_prefix
     if plan.wrap_python and isinstance(cmd, str) and plan.preload:
