@@ -227,9 +227,10 @@ def breakdown(result: dict) -> list[dict]:
     return out
 
 
-def summary(name: str, clean: dict, faulty: dict, together: bool = False) -> None:
+def summary(name: str, clean: dict, faulty: dict, together: bool = False, minutes: float | None = None) -> None:
     clean_s = clean["end"] - clean["launched"]
     faulty_s = faulty["end"] - faulty["launched"]
+    short = short_run_note(clean_s, minutes) if minutes else None
     parts = breakdown(faulty)
     if together:  # the same seconds of the same machine, until the first run ended: the steps each reached
         window = min(clean_s, faulty_s)
@@ -245,6 +246,8 @@ def summary(name: str, clean: dict, faulty: dict, together: bool = False) -> Non
         goodput = (faulty["steps"] / faulty_s) / (clean["steps"] / clean_s)
         print(f"{name}: goodput {goodput:.3f} (launch -> step {clean['steps']}: {clean_s:.1f} s without faults; "
               f"-> step {faulty['steps']}: {faulty_s:.1f} s with {len(faulty['kills'])} SIGKILLs)")
+    if short:
+        print(short)
     chosen = [e for e in faulty["events"] if e["event"] == "snapshot_interval" and e["rank"] == 0]
     if chosen:
         last = chosen[-1]
@@ -264,23 +267,53 @@ def summary(name: str, clean: dict, faulty: dict, together: bool = False) -> Non
         print(f"    {part:8s} {statistics.median(values):6.2f}{unit} ({min(values):.2f}-{max(values):.2f})")
 
 
-def calibrate(work: Path, interval: int, seconds: float, *, cmd: list[str] | None = None, rows_of=_train_rows,
+def calibrate(work: Path, interval: int, seconds: float, *, runs: int = 1, cmd_of=None, rows_of=_train_rows,
               bound: float = 120) -> float:
-    """Steps/s of a fault-free run named "calibrate" (meshrun's unless cmd), steady state (after its first 5
-    steps); rows_of(run_dir): its step rows in time order."""
-    cmd = cmd or meshrun_cmd(work, "calibrate", 1_000_000, interval, 0, [])
-    with open(work / "calibrate.log", "w") as out:
-        proc = subprocess.Popen(cmd, env=ENV, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    """Steps/s of a fault-free run (meshrun's unless cmd_of(name) gives the command), steady state (after its
+    first 5 steps); rows_of(run_dir): its step rows in time order. runs=2 (--side-by-side): two such runs at
+    once, as the measured pairs run, and the mean of their rates (two jobs on this machine each get more than
+    half of one alone: the tiny model's 2 ranks leave the cores idle while they wait on each other)."""
+    cmd_of = cmd_of or (lambda name: meshrun_cmd(work, name, 1_000_000, interval, 0, []))
+    names = [f"calibrate-{i}" for i in range(runs)]
+    procs = []
+    try:
+        for name in names:
+            with open(work / f"{name}.log", "w") as out:
+                procs.append(subprocess.Popen(cmd_of(name), env=ENV, stdout=out, stderr=subprocess.STDOUT,
+                                              start_new_session=True))
         deadline = time.time() + bound
-        try:
-            while time.time() < deadline and proc.poll() is None:
-                rows = rows_of(work / "calibrate")
-                if len(rows) > 5 and rows[-1]["time"] - rows[5]["time"] >= seconds:
-                    return (rows[-1]["step"] - rows[5]["step"]) / (rows[-1]["time"] - rows[5]["time"])
-                time.sleep(0.2)
-        finally:
+        while time.time() < deadline and all(proc.poll() is None for proc in procs):
+            rates = [_steady_rate(rows_of(work / name), seconds) for name in names]
+            if all(rate is not None for rate in rates):
+                return statistics.mean(rates)
+            time.sleep(0.2)
+    finally:
+        for proc in procs:
             _stop(proc)
-    raise RuntimeError(f"calibration never got going; see {work / 'calibrate.log'}")
+    raise RuntimeError(f"calibration never got going; see {work / names[0]}.log")
+
+
+def _steady_rate(rows: list[dict], seconds: float) -> float | None:
+    """Steps/s over rows[5:], once they span `seconds`; None before."""
+    if len(rows) > 5 and rows[-1]["time"] - rows[5]["time"] >= seconds:
+        return (rows[-1]["step"] - rows[5]["step"]) / (rows[-1]["time"] - rows[5]["time"])
+    return None
+
+
+def calibrated_steps(args, rate_of) -> int:
+    """--steps, or the steps a fault-free run does in --minutes: rate_of(runs) calibrates with `runs` runs at
+    once (2 with --side-by-side, as the measured pairs run)."""
+    if args.steps:
+        return args.steps
+    return max(20, round(rate_of(2 if args.side_by_side else 1) * args.minutes * 60))
+
+
+def short_run_note(seconds: float, minutes: float) -> str | None:
+    """A line when the fault-free run took well under --minutes (the calibration's rate was off)."""
+    if seconds < 0.9 * minutes * 60:
+        return (f"  note: the fault-free run took {seconds:.0f} s, under the {minutes:g} minutes asked for (the "
+                "machine sped up after the calibration); give --steps to fix the length")
+    return None
 
 
 def same_weights(a: Path, b: Path) -> bool:
@@ -314,8 +347,7 @@ def main() -> int:
         import goodput_torchft
         return goodput_torchft.main(args, work)  # the torchft mode's runs, summary and clean-up
     try:
-        share = 0.5 if args.side_by_side else 1.0  # two runs at once: each about half as fast
-        steps = args.steps or max(20, round(calibrate(work, args.interval, 15) * share * args.minutes * 60))
+        steps = calibrated_steps(args, lambda runs: calibrate(work, args.interval, 15, runs=runs))
         together = args.side_by_side
         limit = args.minutes * 60 * 3 + 60  # each run: a faulty one may take 3x the fault-free time
         restarts = int(limit / args.kill_every) + 2
@@ -327,7 +359,7 @@ def main() -> int:
              "marker": None, "kill_every": None, "timeout": limit, "log": work / "clean.log"},
             {"cmd": meshrun_cmd(work, "faulty", steps, args.interval, restarts, extra), "run_dir": work / "faulty",
              "marker": None, "kill_every": args.kill_every, "timeout": limit, "log": work / "faulty.log"}, together)
-        summary("meshrun (exact)", clean, faulty, together)
+        summary("meshrun (exact)", clean, faulty, together, None if args.steps else args.minutes)
         if clean["finished"] and faulty["finished"]:
             equal = same_weights(work / "clean" / "model.pt", work / "faulty" / "model.pt")
             print(f"  final model.pt bitwise equal to the fault-free run's: {'yes' if equal else 'NO'}")
@@ -343,7 +375,7 @@ def main() -> int:
                 {"cmd": baseline_cmd(work / "base-faulty", steps, args.interval, restarts),
                  "run_dir": work / "base-faulty", "marker": "torchrun_dcp.py", "kill_every": args.kill_every,
                  "timeout": limit, "log": work / "base-faulty.log"}, together)
-            summary("torchrun + DCP (the guide's way)", base_clean, base_faulty, together)
+            summary("torchrun + DCP (the guide's way)", base_clean, base_faulty, together, None if args.steps else args.minutes)
         print(f"load average after: {Path('/proc/loadavg').read_text().split()[:3]}")
     finally:
         if not args.keep:

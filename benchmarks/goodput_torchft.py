@@ -218,10 +218,11 @@ def summary(clean: dict, faulty: dict, together: bool = False) -> None:
         print(f"  {name}: {ledger.describe(acc)}{extra}")
 
 
-def calibrate(work: Path, interval: int, seconds: float) -> float:
-    """Committed steps/s of a fault-free torchft run (group 0's rows), steady state."""
+def calibrate(work: Path, interval: int, seconds: float, runs: int) -> float:
+    """Committed steps/s of a fault-free torchft run (group 0's rows), steady state; `runs` at once."""
     return goodput.calibrate(
-        work, interval, seconds, cmd=torchft_cmd(work, "calibrate", 1_000_000, interval, 0, []), bound=180,
+        work, interval, seconds, runs=runs, cmd_of=lambda name: torchft_cmd(work, name, 1_000_000, interval, 0, []),
+        bound=180,
         rows_of=lambda run_dir: sorted((r for r in _records(run_dir)[0] if r["group"] == 0), key=lambda r: r["time"]))
 
 
@@ -236,8 +237,7 @@ def main(args, work: Path) -> int:
 
 
 def _main(args, work: Path) -> int:
-    share = 0.5 if args.side_by_side else 1.0  # two runs at once: each about half as fast
-    steps = args.steps or max(20, round(calibrate(work, args.interval, 15) * share * args.minutes * 60))
+    steps = goodput.calibrated_steps(args, lambda runs: calibrate(work, args.interval, 15, runs))
     limit = args.minutes * 60 * 3 + 60
     restarts = int(limit / args.kill_every) + 2
     extra = [x for kv in args.set for x in ("--set", kv)]
@@ -250,4 +250,7 @@ def _main(args, work: Path) -> int:
         {"cmd": torchft_cmd(work, "faulty", steps, args.interval, restarts, extra), "run_dir": work / "faulty",
          "kill_every": args.kill_every, "timeout": limit, "log": work / "faulty.log"}, args.side_by_side, run_fn=run)
     summary(clean, faulty, args.side_by_side)
+    short = None if args.steps else goodput.short_run_note(clean["end"] - clean["launched"], args.minutes)
+    if short:
+        print(short)
     return 0
