@@ -94,9 +94,12 @@ def test_killed_group_heals_from_survivor_without_stopping_it(tmp_path):
     # The killed group: restarted once, healed from the survivor's step, then in step with it.
     starts1 = _starts(records, 1)
     assert len(starts1) == 2 and starts1[1]["pid"] != first["pid"]
-    [heal] = _heals(records, killed_at)
-    assert heal["group"] == 1 and heal["to_step"] >= alone[0]["step"]
     after = healed()
+    # the replacement's last heal before its first row; a loaded machine can add one more (a heartbeat
+    # that lapses: docs/fault-tolerance.md), which the ledger checks below still hold exact
+    heal = max((h for h in _heals(records, killed_at) if h["pid"] == after[0]["pid"] and h["time"] < after[0]["time"]),
+               key=lambda h: h["time"])
+    assert heal["group"] == 1 and heal["to_step"] >= alone[0]["step"]
     assert after[0]["step"] == heal["to_step"] + 1 and after[0]["participants"] == 2
     joint = {r["step"]: r for r in rows0 if r["participants"] == 2}
     assert after[0]["step"] in joint, "the survivor did not commit the healed group's first step with it"
