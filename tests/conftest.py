@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -129,13 +130,47 @@ def worker_pids(pid: int) -> list[int]:
     return found
 
 
-def kill_tree(pid: int) -> None:
-    """SIGKILL a process and every descendant, by pid (workers run in sessions of their own)."""
-    for target in [pid, *_descendants(pid)]:
-        try:
-            os.kill(target, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
+def _running(pid: int) -> bool:
+    """Alive and not a zombie (an orphan's zombie may wait for a reaper that never comes)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in ("Z", "X")
+
+
+def kill_tree(pid: int, tracker_grace: float = 5.0) -> None:
+    """SIGKILL a process and every descendant, by pid (workers run in sessions of their own).
+
+    multiprocessing's resource trackers among them go last: once everything else is dead their pipe
+    closes, and they unlink the named semaphores (/dev/shm/sem.mp-*) of torch's launcher queues and
+    exit. SIGKILLed with the rest they left those files behind (~480 a suite). Bounded: a tracker
+    still running after `tracker_grace` seconds is SIGKILLed too.
+    """
+    targets = [pid, *_descendants(pid)]
+    trackers = [t for t in targets if b"multiprocessing.resource_tracker" in _cmdline(t)]
+    for target in targets:
+        if target not in trackers:
+            try:
+                os.kill(target, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    deadline = time.monotonic() + tracker_grace
+    for tracker in trackers:
+        while _running(tracker) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        if _running(tracker):
+            try:
+                os.kill(tracker, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
 
 
 def meshrun(*args: str, **kwargs) -> Result:
