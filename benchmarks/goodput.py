@@ -361,8 +361,9 @@ def main() -> int:
             {"cmd": meshrun_cmd(work, "faulty", steps, args.interval, restarts, extra), "run_dir": work / "faulty",
              "marker": None, "kill_every": args.kill_every, "timeout": limit, "log": work / "faulty.log"}, together)
         summary("meshrun (exact)", clean, faulty, together, None if args.steps else args.minutes)
+        equal = clean["finished"] and faulty["finished"] and same_weights(work / "clean" / "model.pt",
+                                                                          work / "faulty" / "model.pt")
         if clean["finished"] and faulty["finished"]:
-            equal = same_weights(work / "clean" / "model.pt", work / "faulty" / "model.pt")
             print(f"  final model.pt bitwise equal to the fault-free run's: {'yes' if equal else 'NO'}")
         if args.disk_only_too:
             disk = run(meshrun_cmd(work, "disk-only", steps, args.interval, restarts,
@@ -381,6 +382,9 @@ def main() -> int:
     finally:
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)
+    if not equal:  # a run that did not finish cannot show it either
+        print("goodput.py: meshrun's final model.pt is not shown bitwise equal to the fault-free run's: exit 1")
+        return 1
     return 0
 
 

@@ -179,7 +179,8 @@ def own_rate_goodput(result: dict, parts: list[dict]) -> tuple[float, float, flo
     return sum(_samples(r) for r in rows[1:]) / (end - first) / rate, lost, rate
 
 
-def summary(clean: dict, faulty: dict, together: bool = False) -> None:
+def summary(clean: dict, faulty: dict, together: bool = False) -> bool:
+    """Print the pair's figures; True when the checks held (no survivor restarted, both ledgers exact)."""
     clean_s, faulty_s = clean["end"] - clean["launched"], faulty["end"] - faulty["launched"]
     ca, fa = clean["acc"], faulty["acc"]
     if together:  # side by side: committed samples in the same seconds of the same machine, until the first ended
@@ -216,6 +217,7 @@ def summary(clean: dict, faulty: dict, together: bool = False) -> None:
         acc = run["acc"]
         extra = f", {acc.superseded} step(s) committed again by the surviving lineage" if acc.superseded else ""
         print(f"  {name}: {ledger.describe(acc)}{extra}")
+    return not restarted and all(r["acc"].exact and not r["acc"].weights_differ for r in (clean, faulty))
 
 
 def calibrate(work: Path, interval: int, seconds: float, runs: int) -> float:
@@ -249,8 +251,10 @@ def _main(args, work: Path) -> int:
          "kill_every": None, "timeout": limit, "log": work / "clean.log"},
         {"cmd": torchft_cmd(work, "faulty", steps, args.interval, restarts, extra), "run_dir": work / "faulty",
          "kill_every": args.kill_every, "timeout": limit, "log": work / "faulty.log"}, args.side_by_side, run_fn=run)
-    summary(clean, faulty, args.side_by_side)
+    held = summary(clean, faulty, args.side_by_side)
     short = None if args.steps else goodput.short_run_note(clean["end"] - clean["launched"], args.minutes)
     if short:
         print(short)
-    return 0
+    if not held:
+        print("goodput.py: a check failed (a survivor restarted, or a sample was lost or seen twice): exit 1")
+    return 0 if held else 1
