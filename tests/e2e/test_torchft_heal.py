@@ -50,6 +50,14 @@ def _heals(records: Path, since: float) -> list[dict]:
     return [e for e in ledger.read_events(records) if e["event"] == "heal" and e["time"] > since]
 
 
+def _last_heal(records: Path, since: float, row: dict) -> dict:
+    """The heal of `row`'s process just before `row` (its first row after the heal): a loaded machine
+    can add one more after a kill (a heartbeat that lapses: docs/fault-tolerance.md), which the
+    ledger's exactness checks still cover."""
+    return max((h for h in _heals(records, since) if h["pid"] == row["pid"] and h["time"] < row["time"]),
+               key=lambda h: h["time"])
+
+
 def _starts(records: Path, group: int) -> list[dict]:
     return [e for e in ledger.read_events(records) if e["event"] == "start" and e["group"] == group]
 
@@ -95,10 +103,7 @@ def test_killed_group_heals_from_survivor_without_stopping_it(tmp_path):
     starts1 = _starts(records, 1)
     assert len(starts1) == 2 and starts1[1]["pid"] != first["pid"]
     after = healed()
-    # the replacement's last heal before its first row; a loaded machine can add one more (a heartbeat
-    # that lapses: docs/fault-tolerance.md), which the ledger checks below still hold exact
-    heal = max((h for h in _heals(records, killed_at) if h["pid"] == after[0]["pid"] and h["time"] < after[0]["time"]),
-               key=lambda h: h["time"])
+    heal = _last_heal(records, killed_at, after[0])
     assert heal["group"] == 1 and heal["to_step"] >= alone[0]["step"]
     assert after[0]["step"] == heal["to_step"] + 1 and after[0]["participants"] == 2
     joint = {r["step"]: r for r in rows0 if r["participants"] == 2}

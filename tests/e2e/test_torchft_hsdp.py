@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 from conftest import BIN, TINY, child_env, kill_tree
-from test_torchft_heal import _heals, _rows, _starts, _wait
+from test_torchft_heal import _heals, _last_heal, _rows, _starts, _wait
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("torchft") is None,
                                 reason="needs the torchft extra: pip install 'meshrun[torchft]' (make setup installs it)")
@@ -75,10 +75,7 @@ def test_hsdp_group_heals_from_survivor(tmp_path):
     starts1 = _starts(records, 1)
     assert len(starts1) == 2 and starts1[1]["pid"] != first["pid"]
     after = healed()
-    # the replacement's last heal before its first row; a loaded machine can add one more (a heartbeat that
-    # lapses: docs/fault-tolerance.md), which the ledger checks below still hold exact
-    heal = max((h for h in _heals(records, killed_at) if h["pid"] == after[0]["pid"] and h["time"] < after[0]["time"]),
-               key=lambda h: h["time"])
+    heal = _last_heal(records, killed_at, after[0])
     assert heal["group"] == 1
     assert after[0]["step"] == heal["to_step"] + 1 and after[0]["participants"] == 2
     joint = {r["step"]: r for r in _rows(records, 0) if r["participants"] == 2}
