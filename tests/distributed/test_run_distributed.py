@@ -95,6 +95,17 @@ def _kill_self() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
+def _segfault_in_a_thread(log: str) -> None:
+    import ctypes
+    import threading
+
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    os.dup2(fd, 2)  # this rank's stderr, where the crash handlers write
+    crasher = threading.Thread(target=ctypes.string_at, args=(0,))  # reads address 0: SIGSEGV
+    crasher.start()
+    crasher.join()
+
+
 def _plain_torch(marker_dir: str) -> tuple[float, bool]:
     # A rank that returned skips the interpreter's teardown, not fn's atexit handlers.
     atexit.register(Path(marker_dir, f"atexit{os.environ['RANK']}").write_text, "ran")
@@ -277,6 +288,17 @@ def test_rank_killed_by_signal_is_reported() -> None:
     err = info.value
     assert str(err).startswith("rank 0 failed: was killed by signal SIGKILL")
     assert err.exitcode == -signal.SIGKILL and err.signal_name == "SIGKILL"
+
+
+def test_segfault_prints_every_threads_native_and_python_stack(tmp_path: Path) -> None:
+    log = tmp_path / "rank0.err"
+    with pytest.raises(RankExitedError) as info:
+        run_distributed(_segfault_in_a_thread, args=(str(log),), world_size=1, timeout=60)
+    assert info.value.signal_name == "SIGSEGV", info.value
+    text = log.read_text()
+    # torch's c10 handler: each thread's C++ frames, the crashing one through fatalSignalHandler
+    assert "SIGSEGV(11), PID:" in text and "fatalSignalHandler" in text, text
+    assert "Fatal Python error: Segmentation fault" in text and "string_at" in text, text  # faulthandler
 
 
 def test_lambda_and_local_function_are_rejected_up_front() -> None:

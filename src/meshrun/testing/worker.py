@@ -53,6 +53,7 @@ def run_rank(
             import meshrun
 
             meshrun.init(backend=backend)
+        _native_stacks_on_crash()
         conn.send(("running",))
         value = fn(*args, **kwargs)
         try:
@@ -75,6 +76,16 @@ def run_rank(
         sys.stderr.flush()
         os._exit(1)
     _exit_done()
+
+
+def _native_stacks_on_crash() -> None:
+    """With torch loaded (by init or fn's module), a segfault or abort also prints every thread's
+    C++ stack through torch's c10 handler, which then chains to faulthandler's Python stacks.
+    faulthandler alone lists only Python threads, so a crash in a native one (gloo's workers)
+    named no frame. torch's handler takes SIGUSR2 while on; the parent's stack dumps use SIGUSR1."""
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        torch._C._set_print_stack_traces_on_fatal_signal(True)
 
 
 def _take_environ(environ: dict[str, str]) -> None:
