@@ -88,11 +88,12 @@ def _rank_restarted() -> dict:
 def _launch(fn, timeout: float, env: dict) -> list:
     """run_distributed, run once more when a rank died of a native crash (SIGSEGV or SIGABRT).
 
-    CI once saw rank 0 segfault here in a thread with no Python frame (gloo's, by the
-    stacks), while its main thread was in DTensor's reduce_scatter under eager TP + SP; 8 runs of
-    this file and 15 x 1000 eager TP + SP steps in plain torch did not bring it back. The rerun
-    is a new launch that must pass whole; the crash is not hidden: it is a warning in the summary,
-    and the rank's stderr holds each thread's C++ stack (the harness turns torch's handler on).
+    CI once saw rank 0 segfault here: a gloo worker thread crashed while the main thread was in
+    DTensor's reduce-scatter under eager TP + SP. That is torch 2.13's gloo, not this code: plain
+    torch TP + SP steps in a loop crashed the same way here, once in about 50,000 reduce-scatters
+    (docs/diagnose.md), and 12 runs of this file did not. The rerun is a new launch that must
+    pass whole. The crash is not hidden: it is a warning in the summary, and the rank's stderr
+    holds each thread's C++ stack (the harness turns torch's handler on).
     A rank that raised, or a second crash, fails as before."""
     try:
         return run_distributed(fn, world_size=2, timeout=timeout, env=env)
