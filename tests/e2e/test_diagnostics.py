@@ -1,6 +1,7 @@
 """Failures explained in seconds, end to end through `meshrun launch` and `meshrun diagnose`:
 a rank stalled in user code (hang watchdog), one extra all_reduce (--debug collectives), DDP
-device_ids on CPU (an exception with its fix), a rank killed by a signal, and duplicated data."""
+device_ids on CPU (an exception with its fix), a rank killed by a signal, a rank that segfaults, and
+duplicated data."""
 
 from __future__ import annotations
 
@@ -39,6 +40,10 @@ for step in range(4):
     if env.rank == 0 and step == 1 and mode == "kill":
         open(MARK, "w").write(str(time.time()))
         os.kill(os.getpid(), signal.SIGKILL)
+    if env.rank == 0 and step == 1 and mode == "segv":
+        open(MARK, "w").write(str(time.time()))
+        import ctypes
+        ctypes.string_at(0)  # reads address 0: a segfault in native code
 if mode == "data":
     meshrun.check_dataloader(DataLoader(TensorDataset(torch.arange(8.0)), batch_size=2))
 print("finished", flush=True)
@@ -99,6 +104,7 @@ def test_extra_all_reduce_is_named_with_rank_and_line(tmp_path):
 @pytest.mark.parametrize("mode,rank,kind,detail", [
     ("ddp", 1, "exception in user code", "on CPU leave them out, DDP(model)"),
     ("kill", 0, "killed by signal", "killed by SIGKILL"),
+    ("segv", 0, "native crash", "killed by SIGSEGV"),
 ])
 def test_first_failure_leads_and_diagnose_classifies(tmp_path, mode, rank, kind, detail):
     result, logs, _ = _launch(tmp_path, mode)

@@ -91,6 +91,11 @@ def test_explanations_give_the_right_call():
      "port: 29500, useIpv6: false, code: -98, name: EADDRINUSE", "", None, "port conflict"),
     ("KeyError", "'labels'", "", None, "exception in user code"),
     (None, None, "", "SIGKILL", "killed by signal"),
+    (None, None, "", "SIGSEGV", "native crash"),
+    (None, None, "Fatal Python error: Segmentation fault\n\nThread 0x00007f22 (most recent call first):", None,
+     "native crash"),
+    (None, None, "terminate called without an active exception\nFatal Python error: Aborted", None, "native crash"),
+    (None, None, "[rank1] killed by SIGTERM", None, "killed by signal"),
     (None, None, "meshrun: data warning: all 2 ranks read the identical first batch", None,
      "data duplication warning"),
 ])

@@ -34,7 +34,11 @@ PORT = Kind("port conflict", "the port is in use: leave --master-port/--rdzv-end
 USER = Kind("exception in user code", "fix the exception at the file:line shown; other ranks only stopped "
             "because this one failed")
 SIGNAL = Kind("killed by signal", "SIGKILL without a Python error is usually the kernel's OOM killer "
-              "(check `dmesg`) or a scheduler's time/memory limit; SIGSEGV/SIGABRT: see the rank's stderr")
+              "(check `dmesg`) or a scheduler's time/memory limit")
+CRASH = Kind("native crash", "native code crashed (torch or a C extension): the rank's stderr has each "
+             "thread's Python stack; when none is the 'Current thread', a thread with no Python frame "
+             "crashed, such as gloo's, which torch 2.13 does now and then (docs/diagnose.md). Rerun, or "
+             "add --max-restarts N (meshrun train resumes exactly)")
 DATA = Kind("data duplication warning", "ranks read the same batches: use meshrun.prepare_dataloader, or a "
             "DistributedSampler and call sampler.set_epoch(epoch) every epoch")
 LAUNCH = Kind("bad launch options", "the launcher refused the options before any worker started: follow "
@@ -54,6 +58,7 @@ _RULES: list[tuple[Kind, re.Pattern]] = [
     (DATA, re.compile(r"meshrun: data warning")),
 ]
 _SIGNAL_TEXT = re.compile(r"Fatal Python error: (Segmentation fault|Aborted|Bus error)|killed by (SIG\w+)")
+NATIVE_SIGNALS = ("SIGSEGV", "SIGBUS", "SIGILL", "SIGFPE", "SIGABRT")  # the process crashed, nothing sent them
 
 
 def classify(exc_type: str | None, exc_text: str | None, log_text: str, signal: str | None,
@@ -68,13 +73,14 @@ def classify(exc_type: str | None, exc_text: str | None, log_text: str, signal: 
     for kind, pattern in _RULES:
         if kind is not DATA and pattern.search(log_text[-20000:]):
             return kind
-    if signal or _SIGNAL_TEXT.search(log_text[-20000:]):
-        return SIGNAL
+    said = _SIGNAL_TEXT.search(log_text[-20000:])
+    if signal or said:
+        return CRASH if signal in NATIVE_SIGNALS or (said and said.group(2) in (None, *NATIVE_SIGNALS)) else SIGNAL
     if exc_type:
         return USER
     if _RULES[-1][1].search(log_text):
         return DATA
-    return SIGNAL if signal else USER
+    return USER
 
 
 def classify_failure(failure: RankFailure, log_text: str = "") -> Kind:
