@@ -99,8 +99,7 @@ def _tensors(obj):
 
 def _recovery(workdir: Path, timeout: float) -> dict:
     """Seconds from SIGKILL of one worker to the first step completed by the restarted group."""
-    sys.path.insert(0, str(REPO / "tests"))
-    from conftest import (  # the tests' process helpers: by pid, never by name
+    from meshrun.testing.processes import (  # by pid, never by name
         kill_tree,
         worker_pids,
     )

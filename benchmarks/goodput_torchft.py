@@ -38,11 +38,22 @@ import random
 import shutil
 import signal
 import statistics
+import sys
+import tempfile
 import time
 from pathlib import Path
 
-import goodput
-from goodput import BIN, REPO, _gone, supervise
+from common import (
+    BIN,
+    REPO,
+    calibrated_steps,
+    gone,
+    goodput_parser,
+    pair,
+    short_run_note,
+    supervise,
+)
+from common import calibrate as calibrate_steps
 
 from meshrun.fault import ledger
 from meshrun.runtime.events import process_start_time
@@ -89,7 +100,7 @@ def run(cmd: list[str], run_dir: Path, *, kill_every: float | None, timeout: flo
             return False
         pids = _current(events)
         group = rng.randrange(GROUPS)
-        if not _gone(pids[group]):
+        if not gone(pids[group]):
             kills.append({"at": time.time(), "group": group, "pid": pids[group], "others": pids})
             os.kill(pids[group], signal.SIGKILL)
         return True
@@ -222,14 +233,19 @@ def summary(clean: dict, faulty: dict, together: bool = False) -> bool:
 
 def calibrate(work: Path, interval: int, seconds: float, runs: int) -> float:
     """Committed steps/s of a fault-free torchft run (group 0's rows), steady state; `runs` at once."""
-    return goodput.calibrate(
+    return calibrate_steps(
         work, interval, seconds, runs=runs, cmd_of=lambda name: torchft_cmd(work, name, 1_000_000, interval, 0, []),
         bound=180,
         rows_of=lambda run_dir: sorted((r for r in _records(run_dir)[0] if r["group"] == 0), key=lambda r: r["time"]))
 
 
-def main(args, work: Path) -> int:
-    """`goodput.py --mode torchft`: the two runs and their summary (args: goodput.py's), then the work dir goes."""
+def main() -> int:
+    """`goodput.py --mode torchft` (goodput.py hands over to this script with the same flags): the two runs
+    and their summary, then the work dir goes."""
+    args = goodput_parser(__doc__.splitlines()[0]).parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # `timeout` too: the finally blocks stop the runs
+    work = Path(tempfile.mkdtemp(prefix="meshrun-goodput-"))
+    print(f"load average before: {Path('/proc/loadavg').read_text().split()[:3]}; work dir {work}")
     try:
         return _main(args, work)
     finally:
@@ -239,22 +255,26 @@ def main(args, work: Path) -> int:
 
 
 def _main(args, work: Path) -> int:
-    steps = goodput.calibrated_steps(args, lambda runs: calibrate(work, args.interval, 15, runs))
+    steps = calibrated_steps(args, lambda runs: calibrate(work, args.interval, 15, runs))
     limit = args.minutes * 60 * 3 + 60
     restarts = int(limit / args.kill_every) + 2
     extra = [x for kv in args.set for x in ("--set", kv)]
     workers = "exec'd (MESHRUN_PRELOAD=0)" if os.environ.get("MESHRUN_PRELOAD") == "0" else "forked, torch preloaded"
     print(f"{steps} steps a run (torchft: {GROUPS} replica groups x 1 process, tiny model, checkpoint.interval "
           f"{args.interval}, workers {workers}), a SIGKILL of a random group's worker every {args.kill_every:g} s")
-    clean, faulty = goodput.pair(
+    clean, faulty = pair(
         {"cmd": torchft_cmd(work, "clean", steps, args.interval, 0, extra), "run_dir": work / "clean",
          "kill_every": None, "timeout": limit, "log": work / "clean.log"},
         {"cmd": torchft_cmd(work, "faulty", steps, args.interval, restarts, extra), "run_dir": work / "faulty",
          "kill_every": args.kill_every, "timeout": limit, "log": work / "faulty.log"}, args.side_by_side, run_fn=run)
     held = summary(clean, faulty, args.side_by_side)
-    short = None if args.steps else goodput.short_run_note(clean["end"] - clean["launched"], args.minutes)
+    short = None if args.steps else short_run_note(clean["end"] - clean["launched"], args.minutes)
     if short:
         print(short)
     if not held:
         print("goodput.py: a check failed (a survivor restarted, or a sample was lost or seen twice): exit 1")
     return 0 if held else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -19,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from meshrun.testing.ports import PORT_RANGE_VAR, pick_port, worker_range
+from meshrun.testing.processes import kill_tree
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = REPO / "examples"
@@ -44,6 +44,38 @@ def pytest_runtest_setup(item) -> None:
     torch = sys.modules.get("torch")
     if torch is not None and torch.get_num_threads() != 1:
         torch.set_num_threads(1)
+
+
+_FILE_TIMES: dict[str, list[float]] = {}
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """MESHRUN_SUITE_TIMES=PATH: each test file's wall time and CPU time (this process, plus the
+    children it has reaped: CLI runs; ranks forked from the harness's forkserver are counted only
+    when that server exits) appended to PATH as JSON lines, one per file, at the end of the session."""
+    if not os.environ.get("MESHRUN_SUITE_TIMES"):
+        yield
+        return
+    import resource
+
+    def cpu() -> float:
+        own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+        return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+
+    wall, used = time.monotonic(), cpu()
+    yield
+    entry = _FILE_TIMES.setdefault(item.nodeid.split("::")[0], [0.0, 0.0])
+    entry[0] += time.monotonic() - wall
+    entry[1] += cpu() - used
+
+
+def pytest_sessionfinish(session) -> None:
+    path = os.environ.get("MESHRUN_SUITE_TIMES")
+    if path and _FILE_TIMES:
+        with open(path, "a") as out:
+            for name, (wall, used) in _FILE_TIMES.items():
+                out.write(json.dumps({"file": name, "wall_s": round(wall, 2), "cpu_s": round(used, 2)}) + "\n")
 
 
 def free_port() -> int:
@@ -95,82 +127,6 @@ def run_proc(cmd: list[str], *, timeout: float = 120, cwd: Path | str | None = N
         out, err = proc.communicate()
         pytest.fail(f"{cmd} did not finish within {timeout}s\nstdout:\n{out}\nstderr:\n{err}")
     return Result(proc.returncode, out, err)
-
-
-def _descendants(pid: int) -> list[int]:
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as fp:
-                    ppid = int(fp.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(entry))
-    found, stack = [], [pid]
-    while stack:
-        for child in children.get(stack.pop(), []):
-            found.append(child)
-            stack.append(child)
-    return found
-
-
-def worker_pids(pid: int) -> list[int]:
-    """The launch workers under `pid`: worker_main.py processes, or `meshrun train`'s forked ones
-    (named meshrun-worker, launch/preload.py; their cmdline is their forkserver's)."""
-    found = []
-    for child in _descendants(pid):
-        try:
-            comm = Path(f"/proc/{child}/comm").read_text().strip()
-            cmdline = Path(f"/proc/{child}/cmdline").read_bytes().decode(errors="replace")
-        except OSError:
-            continue
-        if comm == "meshrun-worker" or "worker_main.py" in cmdline:
-            found.append(child)
-    return found
-
-
-def _cmdline(pid: int) -> bytes:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
-        return b""
-
-
-def _running(pid: int) -> bool:
-    """Alive and not a zombie (an orphan's zombie may wait for a reaper that never comes)."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return False
-    return state not in ("Z", "X")
-
-
-def kill_tree(pid: int, tracker_grace: float = 5.0) -> None:
-    """SIGKILL a process and every descendant, by pid (workers run in sessions of their own).
-
-    multiprocessing's resource trackers among them go last: once everything else is dead their pipe
-    closes, and they unlink the named semaphores (/dev/shm/sem.mp-*) of torch's launcher queues and
-    exit. SIGKILLed with the rest they left those files behind (~480 a suite). Bounded: a tracker
-    still running after `tracker_grace` seconds is SIGKILLed too.
-    """
-    targets = [pid, *_descendants(pid)]
-    trackers = [t for t in targets if b"multiprocessing.resource_tracker" in _cmdline(t)]
-    for target in targets:
-        if target not in trackers:
-            try:
-                os.kill(target, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-    deadline = time.monotonic() + tracker_grace
-    for tracker in trackers:
-        while _running(tracker) and time.monotonic() < deadline:
-            time.sleep(0.02)
-        if _running(tracker):
-            try:
-                os.kill(tracker, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
 
 
 def meshrun(*args: str, **kwargs) -> Result:

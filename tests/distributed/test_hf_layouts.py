@@ -3,7 +3,7 @@
 Two tiny models saved with save_pretrained: a Llama (4 heads, 2 kv heads) and a Qwen3 with tied
 embeddings and per-head q/k norms. One 4-rank launch trains each layout in turn through meshrun's
 own path (build_hf_model on the meta device, resolve_layout, build_layout, load_hf_weights from
-the safetensors, AdamW, BuiltLayout.step and its loss averaging) for STEPS steps on one fixed
+the safetensors, AdamW, train.step.layout_step and its loss averaging) for STEPS steps on one fixed
 global batch; one process does the same without a process group. Against the single-process
 `transformers` model (AutoModelForCausalLM.from_pretrained, the same AdamW), the loss every rank
 logs must match at every step within 1e-4.
@@ -21,6 +21,7 @@ from meshrun.models.hf_load import load_hf_weights
 from meshrun.parallel.layout import build_layout
 from meshrun.parallel.resolve import ModelShape, ParallelOptions, resolve_layout
 from meshrun.testing import run_distributed
+from meshrun.train.step import layout_mean_loss, layout_step
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -76,8 +77,8 @@ def _train_meshrun(hf_dir: str, options: dict, world_size: int) -> list[float]:
     it = batches()
     losses = []
     for _ in range(STEPS):
-        loss, _, _ = layout.step(optimizers, it, grad_accum=1, dtype="fp32", grad_clip=0.0, need_grad_norm=False)
-        losses.append(layout.mean_loss(loss))
+        loss, _, _ = layout_step(layout, optimizers, it, grad_accum=1, dtype="fp32", grad_clip=0.0, need_grad_norm=False)
+        losses.append(layout_mean_loss(layout, loss))
     return losses
 
 

@@ -1,4 +1,4 @@
-"""A single-node job listens on loopback only: the agent's store, rank 0's store and gloo (issue 12, item 4).
+"""A single-node job listens on loopback only: the agent's store, rank 0's store and gloo.
 
 Listening sockets are read from /proc while the job runs: the socket inodes among each of the
 job's processes' fds, matched against /proc/net/tcp and tcp6 in state LISTEN.
@@ -13,9 +13,10 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import BIN, TINY, _descendants, child_env, free_port, kill_tree
+from conftest import BIN, TINY, child_env, free_port
 
 from meshrun.runtime.store import hold_server
+from meshrun.testing.processes import descendants, kill_tree
 
 _LISTEN = "0A"
 
@@ -31,7 +32,7 @@ def _address(hex_addr: str) -> tuple[str, int]:
 def listeners(root: int) -> set[tuple[int, str, int]]:
     """{(pid, address, port)} of the LISTEN sockets held by `root` and its descendants."""
     owner: dict[str, int] = {}
-    for pid in [root, *_descendants(root)]:
+    for pid in [root, *descendants(root)]:
         try:
             fds = os.listdir(f"/proc/{pid}/fd")
         except OSError:

@@ -14,8 +14,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from conftest import kill_tree
 from docblocks import REPO, Block, normalized, parse
+
+from meshrun.testing.processes import kill_tree
 
 BIN = Path(sys.executable).parent
 BLOCK_TIMEOUT = 400  # seconds per block (~20x its time on a quiet machine): a hang fails the page, not the suite

@@ -1,4 +1,4 @@
-"""What a newcomer tripped on in the docs (issue 16): the guide unnamed, pointers outside the repository."""
+"""What a newcomer tripped on in the docs: the guide unnamed, pointers outside the repository."""
 
 from __future__ import annotations
 
@@ -16,12 +16,24 @@ def test_both_readmes_say_what_the_guide_is():
     assert "“指南”指" in chinese and "PyTorch 2.13 分布式训练入门指南" in chinese
 
 
+OUTSIDE = re.compile(r"\.\./shared|FIELD-NOTES|STYLE\.md|STYLE point|DEVELOPERS\.md|\bissues? #?\d+|\(#\d+\)",
+                     re.IGNORECASE)
+CODE = [p for folder in ("src", "tests", "benchmarks", "examples") for p in sorted((REPO / folder).rglob("*.py"))
+        if p != Path(__file__).resolve()]
+
+
 def test_docs_point_only_inside_the_repository():
     """No page sends a reader to a notes file outside the repository or to an issue number."""
-    outside = re.compile(r"\.\./shared|FIELD-NOTES|STYLE\.md|DEVELOPERS\.md|\bissues? #?\d+|\(#\d+\)")
     found = [f"{page.name}:{n}: {line.strip()}" for page in PAGES
-             for n, line in enumerate(page.read_text(encoding="utf-8").splitlines(), 1) if outside.search(line)]
+             for n, line in enumerate(page.read_text(encoding="utf-8").splitlines(), 1) if OUTSIDE.search(line)]
     assert not found, found
+
+
+def test_code_comments_point_only_inside_the_repository():
+    """Docstrings and comments cite a module, a doc page or a test, never an issue or a notes file."""
+    found = [f"{path.relative_to(REPO)}:{n}: {line.strip()}" for path in CODE
+             for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1) if OUTSIDE.search(line)]
+    assert not found, "\n".join(found)
 
 
 def test_readme_links_every_docs_page():

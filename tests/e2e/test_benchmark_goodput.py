@@ -1,6 +1,6 @@
 """The goodput benchmarks, run short: they must keep working, and their checks must keep holding.
 
-Issue 15's figures come from `benchmarks/goodput.py` (exact mode and the torchrun + DCP baseline)
+The fault-tolerance figures (docs/fault-tolerance.md) come from `benchmarks/goodput.py` (exact mode and the torchrun + DCP baseline)
 and its `--mode torchft`. Nothing here asserts a time or a ratio (the machine is shared); each run
 must finish, kill at least once, recover every kill, and report the exactness checks as held.
 """
@@ -21,9 +21,16 @@ def _recoveries(out: str) -> list[int]:
     return [int(n) for n in re.findall(r"^  (\d+) recoveries", out, re.M)]
 
 
+# Sized to pass with a wide margin on a machine half as fast, or beside another job: a kill waits
+# for 30 steps since the last recovery began, so a loaded machine, whose recoveries outlast
+# --kill-every, still moves (with 1 step, torchrun's 4 s restarts under a kill every 3 s took
+# minutes). The benchmark's own limit per run is 3 x --minutes + 1 min.
+pytestmark = pytest.mark.timeout(600)
+
+
 def test_exact_mode_and_torchrun_baseline_recover_every_kill_bitwise():
-    result = run_proc([sys.executable, GOODPUT, "--steps", "400", "--kill-every", "4", "--side-by-side",
-                       "--minutes", "1"], timeout=400)
+    result = run_proc([sys.executable, GOODPUT, "--steps", "160", "--kill-every", "4", "--side-by-side",
+                       "--kill-after-steps", "30", "--minutes", "2"], timeout=500)
     assert result.returncode == 0, result.output[-4000:]
     out = result.stdout
     assert "meshrun (exact): goodput" in out and "torchrun + DCP (the guide's way): goodput" in out, out
@@ -35,8 +42,8 @@ def test_exact_mode_and_torchrun_baseline_recover_every_kill_bitwise():
 
 @pytest.mark.skipif(importlib.util.find_spec("torchft") is None, reason="the torchft extra is not installed")
 def test_torchft_mode_keeps_survivors_and_accounts_for_every_sample():
-    result = run_proc([sys.executable, GOODPUT, "--mode", "torchft", "--steps", "300", "--kill-every", "5",
-                       "--side-by-side", "--minutes", "1"], timeout=400)
+    result = run_proc([sys.executable, GOODPUT, "--mode", "torchft", "--steps", "160", "--kill-every", "4",
+                       "--side-by-side", "--minutes", "2"], timeout=500)
     assert result.returncode == 0, result.output[-4000:]
     out = result.stdout
     assert "NO survivor restarted" in out, out

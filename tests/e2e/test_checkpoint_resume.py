@@ -17,9 +17,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import BIN, TINY, child_env, kill_tree, meshrun, worker_pids
+from conftest import BIN, TINY, child_env, meshrun
 
 from meshrun.checkpoint.samples import effective_samples
+from meshrun.testing.processes import kill_tree, worker_pids
 
 STEPS = 60
 COMMON = ["--nproc-per-node", "2", "--set", f"train.steps={STEPS}", "--set", "train.eval_interval=0",

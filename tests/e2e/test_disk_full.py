@@ -1,4 +1,4 @@
-"""A disk that fills mid-save leaves the previous checkpoint loadable and prints a summary (issue 12, item 5).
+"""A disk that fills mid-save leaves the previous checkpoint loadable and prints a summary.
 
 The run directory is a 3 MB tmpfs: the step-2 checkpoint (about 2.1 MB) fits, step 4's does
 not. Needs root to mount; tests/unit/test_write_faults.py covers the same paths as any user

@@ -16,12 +16,12 @@ from conftest import meshrun
 
 transformers = pytest.importorskip("transformers")
 
-from meshrun.checkpoint.runs import FINAL_WEIGHTS, write_finished  # noqa: E402
 from meshrun.config.dump import save_config  # noqa: E402
 from meshrun.config.loader import load_config  # noqa: E402
 from meshrun.models.from_config import model_args_from_config  # noqa: E402
-from meshrun.models.generate import Sampler, generate_ids, generate_text, load  # noqa: E402
 from meshrun.models.llama import Transformer  # noqa: E402
+from meshrun.rundir.runs import FINAL_WEIGHTS, write_finished  # noqa: E402
+from meshrun.trained.generate import Sampler, generate_ids, generate_text, load  # noqa: E402
 
 ENV = {"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 SETS = ["model.dim=32", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_hidden=64"]
@@ -62,7 +62,7 @@ def test_greedy_with_kv_cache_equals_full_recompute(run_dir: Path):
 
 
 def test_hf_directory_gives_the_same_text(run_dir: Path, tmp_path: Path):
-    from meshrun.models.export_hf import export_hf
+    from meshrun.trained.export_hf import export_hf
 
     export_hf(run_dir, tmp_path / "hf")
     sampler = Sampler(max_new_tokens=20, temperature=0.9, top_k=40, top_p=0.95, seed=1)
@@ -92,8 +92,8 @@ def test_bad_input_is_one_line_exit_2(tmp_path: Path, monkeypatch):
 def test_a_model_hf_run_generates_and_exports_as_its_hf_model(tmp_path: Path):
     """A `[model] hf = DIR` run (tensors under the adapter's names, as hfin's trainer saves them) samples
     the tokens transformers' own generate gives, and exports back to DIR's config with equal logits."""
-    from meshrun.models.export_hf import export_hf
     from meshrun.models.hf_keys import from_hf_key
+    from meshrun.trained.export_hf import export_hf
 
     cfg = transformers.LlamaConfig(vocab_size=259, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                    num_attention_heads=4, num_key_value_heads=2, bos_token_id=257, eos_token_id=256)

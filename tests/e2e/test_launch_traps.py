@@ -14,7 +14,9 @@ import sys
 import time
 
 import pytest
-from conftest import BIN, free_port, kill_tree, meshrun, run_proc
+from conftest import BIN, free_port, meshrun, run_proc
+
+from meshrun.testing.processes import kill_tree
 
 SILENT_HOLDER = """\
 import socket, sys, time

@@ -19,7 +19,9 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import BIN, EXAMPLES, free_port, kill_tree
+from conftest import BIN, EXAMPLES, free_port
+
+from meshrun.testing.processes import kill_tree
 
 ALL_REDUCE = """\
 import os, time

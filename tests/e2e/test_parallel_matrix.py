@@ -28,7 +28,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 from meshrun.models.llama import ModelArgs, Transformer
 from meshrun.parallel.dims import ParallelDims
 from meshrun.parallel.parallelize import parallelize_nd, parallelize_pipeline
-from meshrun.parallel.pipeline import plan_pipeline
+from meshrun.parallel.pipeline import resolve_pipeline
 from meshrun.plan import estimate
 from meshrun.plan.measure import SavedActivations
 from meshrun.testing import run_distributed
@@ -115,7 +115,7 @@ def _train_layout(layout: dict, world_size: int, steps: int = STEPS) -> dict:
         mesh = dims.build_mesh("cpu")
         dp_rank = dims.dp_rank(mesh)
         if dims.pp_enabled:
-            plan = plan_pipeline(pp=dims.pp, schedule=schedule, stages_per_rank=per_rank, split_points="",
+            plan = resolve_pipeline(pp=dims.pp, schedule=schedule, stages_per_rank=per_rank, split_points="",
                                  n_layers=ARGS["n_layers"], batch_size=GLOBAL_BATCH // dims.dp_size,
                                  microbatches=0, dp_size=dims.dp_size)
             pipeline = parallelize_pipeline(model, dims, mesh, plan, device=CPU, **opts)

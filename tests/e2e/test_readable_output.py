@@ -1,4 +1,4 @@
-"""Output a person reads (issue 12 items 9 and 10), through `meshrun launch` with real processes:
+"""Output a person reads, through `meshrun launch` with real processes:
 a user's error shows the user's frames without C++ stacks or meshrun's wrappers (all of it with
 --verbose), Ctrl-C ends with one line, and a plain torchrun-style script that creates and destroys
 its own group runs cleanly under `--debug collectives`."""

@@ -1,7 +1,7 @@
 """Bad input to `meshrun train` / `meshrun launch` ends at once: one line, exit 2, nothing created.
 
 Real processes: the console script, a held port, an unresolvable host. Each refusal must come
-before torch is imported (checked in-process below) and within 5 s (issue 12 item 7).
+before torch is imported (checked in-process below) and within 5 s.
 """
 
 from __future__ import annotations

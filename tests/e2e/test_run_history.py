@@ -16,18 +16,10 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import (
-    BIN,
-    TINY,
-    _descendants,
-    child_env,
-    kill_tree,
-    meshrun,
-    metrics_records,
-    train_tiny,
-)
+from conftest import BIN, TINY, child_env, meshrun, metrics_records, train_tiny
 
-from meshrun.runtime.rundir import LOCK_FILE
+from meshrun.rundir.lock import LOCK_FILE
+from meshrun.testing.processes import descendants, kill_tree
 
 ENV = {"OMP_NUM_THREADS": "1"}
 ARGS = ["--nproc-per-node", "1", "--set", "train.steps=12", "--set", "checkpoint.interval=4",
@@ -48,7 +40,7 @@ def _one_line_exit_2(result, *expected: str) -> None:
 
 
 def _signal_all(pid: int, signum: int) -> None:
-    for target in [pid, *_descendants(pid)]:
+    for target in [pid, *descendants(pid)]:
         try:
             os.kill(target, signum)
         except ProcessLookupError:

@@ -20,10 +20,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import BIN, TINY, child_env, kill_tree, worker_pids
+from conftest import BIN, TINY, child_env
 
 from meshrun.checkpoint.samples import effective_samples
 from meshrun.runtime.events import read as read_events
+from meshrun.testing.processes import kill_tree, worker_pids
 
 KILLS = int(os.environ.get("MESHRUN_SNAPSHOT_KILLS", "20"))  # each costs a restart (about 1 s, more under load)
 GAP, DISK_EVERY = 6, 10  # steps between kills; disk checkpoints

@@ -1,4 +1,4 @@
-"""The hang watchdog sees a stall before the job's first collective (issue 12 item 8).
+"""The hang watchdog sees a stall before the job's first collective.
 
 Rank 1 sleeps in user code while rank 0 waits in the first all_reduce: no rank has made progress,
 yet the report must come within the hang timeout plus a few seconds, name rank 1 as the rank not
@@ -14,7 +14,7 @@ import time
 
 from conftest import child_env, meshrun
 
-from meshrun.launch.plan import WORKER_MAIN
+from meshrun.launch.spec import WORKER_MAIN
 
 HANG_S = 5
 STALL = """\

@@ -19,9 +19,10 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import BIN, TINY, child_env, kill_tree, metrics_records
+from conftest import BIN, TINY, child_env, metrics_records
 
 from meshrun.fault import ledger
+from meshrun.testing.processes import kill_tree
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("torchft") is None,
                                 reason="needs the torchft extra: pip install 'meshrun[torchft]' (make setup installs it)")

@@ -16,8 +16,10 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import BIN, TINY, child_env, kill_tree
+from conftest import BIN, TINY, child_env
 from test_torchft_heal import _heals, _last_heal, _rows, _starts, _wait
+
+from meshrun.testing.processes import kill_tree
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("torchft") is None,
                                 reason="needs the torchft extra: pip install 'meshrun[torchft]' (make setup installs it)")

@@ -211,9 +211,9 @@ class SimpleLog:
 def test_an_unnamed_rerun_continues_only_its_unfinished_run(tmp_path):
     import os
 
-    from meshrun.checkpoint.runs import unfinished_run
     from meshrun.config import load_config
     from meshrun.config.dump import save_config
+    from meshrun.rundir.runs import unfinished_run
 
     cfg = load_config(None, [f"train.run_dir={tmp_path}", "train.steps=50"])
 

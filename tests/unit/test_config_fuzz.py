@@ -25,8 +25,8 @@ from meshrun.config.base import field_types, unwrap
 from meshrun.config.dump import toml_value
 from meshrun.errors import MeshrunError
 from meshrun.launch.args import build_parser as build_launch_parser
-from meshrun.launch.plan import checked_options, plan_launch
-from meshrun.train.preflight import preflight
+from meshrun.launch.spec import checked_options, launch_spec
+from meshrun.train.preflight import check_with_torch
 
 EXAMPLES = env_int("MESHRUN_FUZZ_EXAMPLES", 200)
 NOT_FOR_TRAIN = {"-h", "--help", "-m", "--module", "--no-python", "--no_python", "--run-path", "--run_path"}
@@ -137,8 +137,8 @@ def test_every_key_and_flag_is_accepted_or_refused_in_one_line(fuzz_dir, case):
     try:
         _, cfg, launch_args, options = check_train_args(argv)
         # what `meshrun train` checks next, with torch, still before any directory or worker
-        plan = plan_launch(launch_args, checked=options)
-        preflight(cfg, nproc_per_node=plan.nproc_per_node, nnodes=plan.nnodes)
+        plan = launch_spec(launch_args, checked=options)
+        check_with_torch(cfg, nproc_per_node=plan.nproc_per_node, nnodes=plan.nnodes)
         outcome = "accepted"
     except MeshrunError as exc:
         message = str(exc)
@@ -227,6 +227,6 @@ def test_a_factory_must_build_an_nn_module_before_workers_start(fuzz_dir, monkey
     (fuzz_dir / f"{module}.py").write_text(source)
     monkeypatch.syspath_prepend(str(fuzz_dir))
     _, cfg, launch_args, options = check_train_args(["--set", f"model.factory={module}:build"])
-    plan = plan_launch(launch_args, checked=options)
+    plan = launch_spec(launch_args, checked=options)
     with pytest.raises(MeshrunError, match=expected):
-        preflight(cfg, nproc_per_node=plan.nproc_per_node, nnodes=plan.nnodes)
+        check_with_torch(cfg, nproc_per_node=plan.nproc_per_node, nnodes=plan.nnodes)

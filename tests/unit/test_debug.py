@@ -10,9 +10,7 @@ import re
 import pytest
 from conftest import rank_log_dir
 
-from meshrun.debug.classify import classify
 from meshrun.debug.explain import explain
-from meshrun.debug.postmortem import diagnose, format_diagnosis
 from meshrun.debug.settings import (
     DebugSettings,
     TimeoutPlan,
@@ -20,6 +18,8 @@ from meshrun.debug.settings import (
     check_collective_timeout,
     parse_hang_timeout,
 )
+from meshrun.diagnose.classify import classify
+from meshrun.diagnose.postmortem import diagnose, format_diagnosis
 from meshrun.errors import LaunchError, MeshrunError
 from meshrun.launch.summary import RankFailure, format_summary, is_follow_on, order_by_cause
 
@@ -144,17 +144,17 @@ def test_diagnose_refuses_a_directory_without_logs(tmp_path):
 def test_collective_timeout_follows_the_hierarchy():
     from datetime import timedelta
 
+    from meshrun.debug.heartbeat import Heartbeat
     from meshrun.debug.hooks import DebugHooks
-    from meshrun.debug.progress import Progress
 
-    hooks = DebugHooks(DebugSettings(300.0, frozenset(), explicit=True), Progress())
+    hooks = DebugHooks(DebugSettings(300.0, frozenset(), explicit=True), Heartbeat())
     assert hooks.collective_timeout(None) == timedelta(seconds=600)
     with pytest.raises(LaunchError, match="not above --hang-timeout"):
         hooks.collective_timeout(timedelta(seconds=60))
-    hooks = DebugHooks(DebugSettings(300.0, frozenset(), explicit=False), Progress())
+    hooks = DebugHooks(DebugSettings(300.0, frozenset(), explicit=False), Heartbeat())
     assert hooks.collective_timeout(timedelta(seconds=60)) == timedelta(seconds=60)
     assert hooks.settings.hang_timeout_s == 30  # the default watchdog halves a shorter user timeout
-    hooks = DebugHooks(DebugSettings(0.0, frozenset()), Progress())
+    hooks = DebugHooks(DebugSettings(0.0, frozenset()), Heartbeat())
     assert hooks.collective_timeout(None) is None  # off: torch's own default
     assert not hooks.installed
 
@@ -165,15 +165,15 @@ def test_collective_wrappers_exist_only_between_install_and_shutdown():
     import torch.distributed.distributed_c10d as c10d
     from torch.optim import optimizer as opt
 
+    from meshrun.debug.heartbeat import Heartbeat
     from meshrun.debug.hooks import DebugHooks
-    from meshrun.debug.progress import Progress
 
     def state():
         return (dist.all_reduce, c10d.all_reduce, dist.broadcast_object_list, c10d.barrier,
                 len(opt._global_optimizer_pre_hooks), len(opt._global_optimizer_post_hooks))
 
     before = state()
-    progress = Progress()
+    progress = Heartbeat()
     hooks = DebugHooks(DebugSettings(60.0, frozenset({"collectives"})), progress)
     hooks.install()
     during = state()
@@ -195,6 +195,6 @@ def test_collective_wrappers_exist_only_between_install_and_shutdown():
     ("--rdzv-endpoint ':29400' has no host: is $MASTER_ADDR empty? set it to node 0's address", "bad launch options"),
 ])
 def test_launcher_failures_are_classified(message, kind):
-    from meshrun.debug.classify import classify_launch
+    from meshrun.diagnose.classify import classify_launch
 
     assert classify_launch(message).name == kind

@@ -8,7 +8,7 @@ import threading
 import torch.distributed as dist
 
 from meshrun.debug.fingerprint import Checker, CollectiveMismatchError
-from meshrun.debug.progress import CollectiveRecord
+from meshrun.debug.heartbeat import CollectiveRecord
 
 
 def _run_ranks(calls: dict[int, list[tuple[str, str, str]]], world: int, *, arrival_timeout_s: float = 5.0,

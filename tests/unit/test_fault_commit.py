@@ -12,7 +12,8 @@ from torch.utils.data import DataLoader, TensorDataset
 from meshrun.data.loader import InfiniteLoader
 from meshrun.data.sampler import ResumableDistributedSampler
 from meshrun.fault import ledger
-from meshrun.fault.replica import CommitOptimizer, ExactSteps, Replica
+from meshrun.fault.replica import CommitOptimizer, Replica
+from meshrun.train.trainer import ExactSteps
 
 
 class ScriptedManager:

@@ -3,13 +3,13 @@
 
 from __future__ import annotations
 
-from meshrun.checkpoint.runs import finished_step, write_finished
 from meshrun.fault.launch import (
     final_weights_group,
     job_exit_code,
     publish_final_weights,
     summarize,
 )
+from meshrun.rundir.runs import finished_step, write_finished
 
 
 def _finish(gdir, steps: int, weights: bytes) -> None:

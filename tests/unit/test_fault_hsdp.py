@@ -10,8 +10,8 @@ import io
 import pytest
 
 from meshrun.config import load_config
-from meshrun.fault.settings import check_fault
 from meshrun.testing import run_distributed
+from meshrun.train.preflight import check_fault
 
 
 def _sharded(seed: int):

@@ -9,13 +9,13 @@ from conftest import TINY
 
 from meshrun.cli.train import check_train_args
 from meshrun.fault.launch import group_command
-from meshrun.launch.plan import plan_launch
+from meshrun.launch.spec import launch_spec
 
 
 def _commands(tmp_path: Path, *flags: str) -> list[list[str]]:
     _args, cfg, launch_args, options = check_train_args(
         [TINY, "--set", "fault.mode=torchft", "--set", f"train.run_dir={tmp_path}", *flags])
-    plan = plan_launch(launch_args, checked=options).with_run(
+    plan = launch_spec(launch_args, checked=options).with_run(
         log_dir=str(tmp_path / "logs"), script_args=["--run-dir", str(tmp_path / "run"), "--resume", "auto"])
     return [group_command(cfg, plan, tmp_path / "run", group) for group in range(cfg.fault.replica_groups)]
 
@@ -44,7 +44,7 @@ def test_user_launch_flags_reach_every_group(tmp_path):
 
 def test_flags_left_at_their_defaults_are_not_passed(tmp_path):
     flags = _launch_flags(_commands(tmp_path)[1])
-    # --tee 3: what plan_launch makes of no --tee and no --redirects, as each group's own launch would too
+    # --tee 3: what launch_spec makes of no --tee and no --redirects, as each group's own launch would too
     assert flags == ["--nproc-per-node", "1", "--max-restarts", "0", "--tee", "3",
                      "--log-dir", str(tmp_path / "logs" / "replica-1")]
 
@@ -53,8 +53,8 @@ def test_a_finished_group_directory_trains_again(tmp_path: Path):
     """A torchft run trained further (a higher train.steps and --force): group 1's directory had
     finished too, and its workers would exit at once ("has finished; not training it again")
     leaving group 0 alone. Its final weights are set aside as the run's are."""
-    from meshrun.checkpoint.runs import FINAL_WEIGHTS, finished_step, write_finished
     from meshrun.fault.launch import reopen_group
+    from meshrun.rundir.runs import FINAL_WEIGHTS, finished_step, write_finished
 
     gdir = tmp_path / "replica-1"
     gdir.mkdir()

@@ -9,7 +9,7 @@ from conftest import TINY, meshrun
 from meshrun.config import load_config
 from meshrun.errors import ConfigError
 from meshrun.fault import ledger
-from meshrun.fault.settings import check_fault
+from meshrun.train.preflight import check_fault
 
 
 @pytest.mark.parametrize(("overrides", "message"), [

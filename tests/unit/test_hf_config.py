@@ -10,6 +10,7 @@ from meshrun.config import load_config
 from meshrun.errors import ConfigError
 from meshrun.models.from_config import model_args_from_config
 from meshrun.models.hf_config import SUPPORTED, model_args_from_hf
+from meshrun.train.preflight import check_before_torch
 
 QWEN3 = {"model_type": "qwen3", "hidden_size": 32, "num_hidden_layers": 3, "num_attention_heads": 4,
          "num_key_value_heads": 2, "intermediate_size": 64, "vocab_size": 300, "max_position_embeddings": 64,
@@ -48,37 +49,43 @@ def test_keys_that_contradict_the_directory_are_refused(tmp_path, override, mess
         load_config(None, [f"model.hf={path}", override])
 
 
+def _before_torch(tmp_path, *overrides: str) -> None:
+    check_before_torch(load_config(None, [*overrides, f"train.run_dir={tmp_path / 'runs'}"]), nproc_per_node="2")
+
+
 def test_an_unsupported_model_type_lists_the_supported_ones(tmp_path):
+    """The directory is read before launch (train/preflight.py), not while the config loads."""
     path = _hf_dir(tmp_path, {**QWEN3, "model_type": "mixtral"})
+    load_config(None, [f"model.hf={path}"])  # the section reads no file
     with pytest.raises(ConfigError) as err:
-        load_config(None, [f"model.hf={path}"])
+        _before_torch(tmp_path, f"model.hf={path}")
     (path / "config.json").write_text(json.dumps(QWEN3))
     assert "'mixtral' is not supported" in str(err.value) and all(k in str(err.value) for k in SUPPORTED)
     with pytest.raises(ConfigError, match=r"data.seq_len=65 is longer than model.hf=.* \(max_position_embeddings=64\)"):
-        load_config(None, [f"model.hf={path}", "data.seq_len=65"])
+        _before_torch(tmp_path, f"model.hf={path}", "data.seq_len=65")
     (path / "config.json").write_text("{not json")
     with pytest.raises(ConfigError, match="not readable JSON"):
-        load_config(None, [f"model.hf={path}"])
+        _before_torch(tmp_path, f"model.hf={path}")
 
 
 def test_tensor_parallel_rules_of_an_hf_model_are_checked_before_launch(tmp_path):
-    from meshrun.train.preflight import preflight
+    from meshrun.train.preflight import check_with_torch
 
     plan = {"layers.*.self_attn.q_proj": "colwise", "layers.*.self_attn.o_proj": "rowwise",
             "layers.*.mlp.gate_proj": "colwise_gather_output"}
     path = _hf_dir(tmp_path, {**QWEN3, "base_model_tp_plan": plan})
     tp2 = [f"model.hf={path}", "data.seq_len=32", "parallel.strategy=fsdp", "parallel.dp_replicate=1", "parallel.tp=2"]
     with pytest.raises(ConfigError, match=r"parallel.sequence_parallel=true is not offered for model.hf="):
-        preflight(load_config(None, [*tp2, "parallel.sequence_parallel=true"]), nproc_per_node="2")
+        check_with_torch(load_config(None, [*tp2, "parallel.sequence_parallel=true"]), nproc_per_node="2")
     with pytest.raises(ConfigError, match=r"\{'mlp.gate_proj': 'colwise_gather_output'\} are not supported"):
-        preflight(load_config(None, tp2), nproc_per_node="2")
-    preflight(load_config(None, tp2[:2]), nproc_per_node="2")  # DDP: the TP plan is not read
+        check_with_torch(load_config(None, tp2), nproc_per_node="2")
+    check_with_torch(load_config(None, tp2[:2]), nproc_per_node="2")  # DDP: the TP plan is not read
     (path / "config.json").write_text(json.dumps(QWEN3))  # the plan left to the transformers class
-    preflight(load_config(None, tp2), nproc_per_node="2")  # the workers check the built config's
+    check_with_torch(load_config(None, tp2), nproc_per_node="2")  # the workers check the built config's
     with pytest.raises(ConfigError, match=r"parallel.sequence_parallel=true is not offered"):
-        preflight(load_config(None, [*tp2, "parallel.sequence_parallel=true"]), nproc_per_node="2")
+        check_with_torch(load_config(None, [*tp2, "parallel.sequence_parallel=true"]), nproc_per_node="2")
 
 
-def test_a_name_too_long_for_the_filesystem_is_one_line():
+def test_a_name_too_long_for_the_filesystem_is_one_line(tmp_path):
     with pytest.raises(ConfigError, match=r"model.hf='x{80}'\.\.\. is not a usable path \(File name too long\)"):
-        load_config(None, ["model.hf=" + "x" * 300])
+        _before_torch(tmp_path, "model.hf=" + "x" * 300)

@@ -8,15 +8,14 @@ import pytest
 
 from meshrun.errors import LaunchError
 from meshrun.launch.args import (
-    MAX_AUTO_CPU_PROCS,
-    auto_nproc_per_node,
     build_parser,
     fixed_nnodes,
     parse_nnodes,
     resolve_nproc_per_node,
 )
 from meshrun.launch.launcher import WORKER_MAIN, build_launch
-from meshrun.launch.plan import plan_launch
+from meshrun.launch.spec import launch_spec
+from meshrun.runtime.device import MAX_AUTO_CPU_PROCS, auto_nproc_per_node
 
 
 def test_every_torchrun_flag_is_accepted():
@@ -50,7 +49,7 @@ def test_bad_nnodes_is_one_line_naming_the_flag(text):
 
 def test_single_node_gets_a_free_c10d_port_and_prefixed_tee(tmp_path):
     args = build_parser().parse_args(["--log-dir", str(tmp_path), "train.py", "--lr", "1"])
-    config, cmd, cmd_args = build_launch(plan_launch(args), str(tmp_path))
+    config, cmd, cmd_args = build_launch(launch_spec(args), str(tmp_path))
     assert config.rdzv_backend == "c10d" and config.rdzv_endpoint == "localhost:0"
     assert config.min_nodes == config.max_nodes == 1 and config.nproc_per_node >= 2
     assert config.log_line_prefix_template == "[rank ${rank}] "
@@ -59,23 +58,23 @@ def test_single_node_gets_a_free_c10d_port_and_prefixed_tee(tmp_path):
 
 def test_module_and_no_python_targets(tmp_path):
     args = build_parser().parse_args(["-m", "pkg.train", "x"])
-    assert build_launch(plan_launch(args), str(tmp_path))[2] == ["-u", WORKER_MAIN, "-m", "pkg.train", "x"]
+    assert build_launch(launch_spec(args), str(tmp_path))[2] == ["-u", WORKER_MAIN, "-m", "pkg.train", "x"]
     args = build_parser().parse_args(["--no-python", "/bin/echo", "hi"])
-    config, cmd, cmd_args = build_launch(plan_launch(args), str(tmp_path))
+    config, cmd, cmd_args = build_launch(launch_spec(args), str(tmp_path))
     assert (cmd, cmd_args) == ("/bin/echo", ["hi"])
 
 
 def test_multi_node_keeps_the_users_rendezvous(tmp_path):
     args = build_parser().parse_args(["--nnodes", "2", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
                                       "--rdzv-endpoint", "10.0.0.1:29400", "--rdzv-id", "job1", "train.py"])
-    config = build_launch(plan_launch(args), str(tmp_path))[0]
+    config = build_launch(launch_spec(args), str(tmp_path))[0]
     assert (config.rdzv_endpoint, config.run_id, config.max_nodes) == ("10.0.0.1:29400", "job1", 2)
 
 
 def test_bad_nnodes_is_a_clear_error():
     args = build_parser().parse_args(["--nnodes", "two", "train.py"])
     with pytest.raises(LaunchError, match="--nnodes"):
-        plan_launch(args)
+        launch_spec(args)
 
 
 def test_planning_changes_neither_the_namespace_nor_the_environment(monkeypatch):
@@ -83,7 +82,7 @@ def test_planning_changes_neither_the_namespace_nor_the_environment(monkeypatch)
         monkeypatch.delenv(var, raising=False)
     args = build_parser().parse_args(["--nproc-per-node", "2", "--hang-timeout", "400", "train.py"])
     before_args, before_env = vars(args).copy(), dict(os.environ)
-    plan = plan_launch(args)
+    plan = launch_spec(args)
     assert vars(args) == before_args and dict(os.environ) == before_env
     # ... and everything it decided is in the plan instead
     assert plan.env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1" and plan.env["OMP_NUM_THREADS"] == "1"
@@ -95,14 +94,14 @@ def test_planning_changes_neither_the_namespace_nor_the_environment(monkeypatch)
 def test_the_users_environment_wins(monkeypatch):
     monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "0")
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
-    plan = plan_launch(build_parser().parse_args(["--nproc-per-node", "2", "train.py"]))
+    plan = launch_spec(build_parser().parse_args(["--nproc-per-node", "2", "train.py"]))
     assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" not in plan.env and "OMP_NUM_THREADS" not in plan.env
 
 
 def test_building_the_config_leaves_the_environment_as_it_was(monkeypatch, tmp_path):
     # torch's config_from_args sets OMP_NUM_THREADS in the calling process when it is unset.
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    plan = plan_launch(build_parser().parse_args(["--nproc-per-node", "2", "train.py"]))
+    plan = launch_spec(build_parser().parse_args(["--nproc-per-node", "2", "train.py"]))
     build_launch(plan, str(tmp_path))
     assert "OMP_NUM_THREADS" not in os.environ
 
@@ -119,7 +118,7 @@ def test_scoped_environ_restores_every_key(monkeypatch):
 
 
 def test_with_run_gives_a_new_plan():
-    plan = plan_launch(build_parser().parse_args(["--nproc-per-node", "2", "-m", "meshrun.train.worker"]))
+    plan = launch_spec(build_parser().parse_args(["--nproc-per-node", "2", "-m", "meshrun.train.worker"]))
     run = plan.with_run(log_dir="/tmp/x/logs", script_args=["--run-dir", "/tmp/x"])
     assert run.log_dir == "/tmp/x/logs" and run.options.training_script_args == ["--run-dir", "/tmp/x"]
     assert plan.log_dir is None and plan.options.training_script_args == []

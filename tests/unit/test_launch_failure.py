@@ -16,7 +16,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from meshrun.debug.postmortem import diagnose, format_diagnosis
+from meshrun.diagnose.postmortem import diagnose, format_diagnosis
 from meshrun.launch.attempts import AttemptRecorder
 from meshrun.launch.failure import RankFailure, classify_follow_on, is_follow_on
 from meshrun.launch.summary import FAILURES_FILE, collect_failures, format_summary

@@ -16,7 +16,7 @@ from meshrun.launch.network import (
     route_source,
     worker_socket_env,
 )
-from meshrun.launch.plan import plan_launch
+from meshrun.launch.spec import launch_spec
 
 
 def _own_non_loopback_address() -> tuple[str, str] | None:
@@ -60,11 +60,11 @@ def test_multinode_plan_sets_address_and_interface_but_keeps_user_settings(monke
     monkeypatch.setenv("NCCL_SOCKET_IFNAME", "ib0")
     args = build_parser().parse_args(["--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint",
                                       "127.0.0.1:29999", "x.py"])
-    plan = plan_launch(args)
+    plan = launch_spec(args)
     assert plan.options.local_addr == "127.0.0.1" and plan.env["GLOO_SOCKET_IFNAME"] == "lo"
     assert "NCCL_SOCKET_IFNAME" not in plan.env  # the user's ib0 stays
     assert args.local_addr is None and "GLOO_SOCKET_IFNAME" not in os.environ  # planning changes nothing
-    single = plan_launch(build_parser().parse_args(["--nnodes", "1", "--local-addr", "h", "x.py"]))
+    single = launch_spec(build_parser().parse_args(["--nnodes", "1", "--local-addr", "h", "x.py"]))
     assert single.options.local_addr == "h" and single.network == loopback_network()  # the user's address stays
 
 
@@ -72,17 +72,17 @@ def test_single_node_plan_is_loopback_only(monkeypatch):
     """One node: MASTER_ADDR (via --local-addr) and gloo/NCCL on loopback, unless the user chose."""
     for var in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
         monkeypatch.delenv(var, raising=False)
-    plan = plan_launch(build_parser().parse_args(["--nproc-per-node", "2", "x.py"]))
+    plan = launch_spec(build_parser().parse_args(["--nproc-per-node", "2", "x.py"]))
     assert plan.options.local_addr == "127.0.0.1"
     assert plan.env["GLOO_SOCKET_IFNAME"] == plan.env["NCCL_SOCKET_IFNAME"] == interface_of("127.0.0.1")
     monkeypatch.setenv("GLOO_SOCKET_IFNAME", "eth9")
-    assert "GLOO_SOCKET_IFNAME" not in plan_launch(build_parser().parse_args(["x.py"])).env
+    assert "GLOO_SOCKET_IFNAME" not in launch_spec(build_parser().parse_args(["x.py"])).env
 
 
 def test_restart_setting_is_set_unless_the_user_chose(monkeypatch):
     monkeypatch.delenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", raising=False)
     args = build_parser().parse_args(["--nproc-per-node", "1", "x.py"])
-    assert plan_launch(args).env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"
+    assert launch_spec(args).env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"
     assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" not in os.environ
     monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "0")
-    assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" not in plan_launch(args).env
+    assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" not in launch_spec(args).env

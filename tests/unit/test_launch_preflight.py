@@ -17,9 +17,10 @@ import pytest
 import torch.distributed as dist
 
 from meshrun.errors import LaunchError
-from meshrun.launch import plain_python, preflight
+from meshrun.launch import preflight
 from meshrun.launch.preflight import check_rendezvous, is_local_host, parse_endpoint
 from meshrun.launch.store_probe import c10d_handshake
+from meshrun.runtime import plain_python
 
 
 def launch_args(endpoint: str, *, rdzv_id: str = "mine", nnodes: str = "1", backend: str = "c10d",
@@ -245,7 +246,7 @@ def test_explains_missing_env_key_with_the_command(monkeypatch):
     exc = _raised(lambda: int(os.environ["LOCAL_RANK"]))
     line = plain_python.explain_missing_launcher_env(exc, argv=["train.py", "--lr", "3e-4"])
     assert line.startswith("meshrun: LOCAL_RANK is not set")
-    from meshrun.launch.args import auto_nproc_per_node
+    from meshrun.runtime.device import auto_nproc_per_node
 
     n = auto_nproc_per_node()  # what `--nproc-per-node auto` picks
     assert line.endswith(f"run: meshrun launch --nproc-per-node {n} train.py --lr 3e-4")

@@ -10,14 +10,14 @@ import pytest
 
 from meshrun.launch.args import build_parser
 from meshrun.launch.launcher import WORKER_MAIN, build_launch
-from meshrun.launch.plan import plan_launch
 from meshrun.launch.preload import PRELOAD_MODULES, preloaded_main
+from meshrun.launch.spec import launch_spec
 
 TRAIN = ["--nproc-per-node", "2", "-m", "meshrun.train.worker", "--run-dir", "r"]
 
 
 def _plan(argv: list[str], environ: dict[str, str] | None = None):
-    return plan_launch(build_parser().parse_args(argv), {"PATH": "/usr/bin", **(environ or {})})
+    return launch_spec(build_parser().parse_args(argv), {"PATH": "/usr/bin", **(environ or {})})
 
 
 def test_meshrun_train_workers_are_forked_from_the_preloaded_server(tmp_path):

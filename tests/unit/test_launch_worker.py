@@ -7,7 +7,7 @@ import json
 import subprocess
 import sys
 
-from meshrun.launch.plan import WORKER_MAIN
+from meshrun.launch.spec import WORKER_MAIN
 
 FIRST_LINE = """\
 import sys

@@ -8,14 +8,14 @@ from meshrun.config import load_config
 from meshrun.errors import ConfigError
 from meshrun.models.llama import ModelArgs, Transformer
 from meshrun.parallel.pipeline import stage_module
-from meshrun.parallel.rules_pp import SCHEDULES, plan_pipeline, split_layers
+from meshrun.parallel.rules_pp import SCHEDULES, resolve_pipeline, split_layers
 from meshrun.plan.show import stage_of_block
 
 
 def _plan(**kw):
     base = dict(pp=2, schedule="gpipe", stages_per_rank=0, split_points="", n_layers=4, batch_size=8,
                 microbatches=0)
-    return plan_pipeline(**{**base, **kw})
+    return resolve_pipeline(**{**base, **kw})
 
 
 def test_config_takes_exactly_the_supported_schedules():

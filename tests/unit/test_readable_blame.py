@@ -1,4 +1,4 @@
-"""Pure logic behind issue 12 items 8-10: what a person reads of a failure (debug/readable.py),
+"""Pure logic behind what a person reads of a failure (debug/readable.py),
 whom `meshrun diagnose` blames for a consequence, meshrun's own worker errors, and the hang
 report's list of ranks not in a collective."""
 
@@ -10,9 +10,9 @@ from pathlib import Path
 
 from conftest import rank_log_dir
 
-from meshrun.debug.postmortem import diagnose, format_diagnosis
 from meshrun.debug.readable import MESHRUN_DIR, format_exception, readable_lines, strip_cpp
 from meshrun.debug.watchdog import absent_ranks
+from meshrun.diagnose.postmortem import diagnose, format_diagnosis
 
 CPP_MESSAGE = (
     "Cannot use ReduceOp.BXOR with non-integral dtype\n"

@@ -9,13 +9,13 @@ from pathlib import Path
 import pytest
 
 from meshrun.checkpoint import manifest as mf
-from meshrun.checkpoint.history import plan_start, saved_form
-from meshrun.checkpoint.runs import claim_unfinished_run, finished_step, write_finished
 from meshrun.config import load_config
 from meshrun.config.dump import save_config
 from meshrun.errors import ConfigError
 from meshrun.metrics.logger import MetricsLogger
-from meshrun.runtime.rundir import LOCK_FILE, RunDirBusy, RunLock, create_unique
+from meshrun.rundir.history import plan_start, saved_form
+from meshrun.rundir.lock import LOCK_FILE, RunDirBusy, RunLock, create_unique
+from meshrun.rundir.runs import claim_unfinished_run, finished_step, write_finished
 
 
 def test_one_holder_names_itself_and_a_dead_holder_is_taken_over(tmp_path, capsys):
@@ -130,8 +130,8 @@ def test_metrics_rows_are_only_ever_appended(tmp_path):
 def test_recording_settings_may_change_between_starts_the_training_ones_may_not():
     import dataclasses
 
-    from meshrun.checkpoint.history import first_difference
     from meshrun.config import load_config
+    from meshrun.rundir.history import first_difference
 
     saved = load_config(None, [])
     more = dataclasses.replace(saved, metrics=dataclasses.replace(saved.metrics, trackers="tensorboard", interval=3))

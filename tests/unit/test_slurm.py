@@ -8,8 +8,8 @@ from meshrun.cli.train import _launch_argv_from_config
 from meshrun.config import load_config
 from meshrun.errors import LaunchError
 from meshrun.launch.args import build_parser
-from meshrun.launch.plan import plan_launch
 from meshrun.launch.slurm import SLURM_PORT_BASE, expand_hostlist, slurm_job, slurm_options
+from meshrun.launch.spec import launch_spec
 
 JOB = {"SLURM_JOB_ID": "4242", "SLURM_NNODES": "4", "SLURM_NODEID": "2",
        "SLURM_JOB_NODELIST": "gpu[07-08,10],cpu3", "SLURM_NTASKS_PER_NODE": "1", "SLURM_GPUS_ON_NODE": "8"}
@@ -80,7 +80,7 @@ def test_launch_options_derived_from_slurm():
 def test_launch_plan_takes_slurms_nodes_and_leaves_the_namespace_alone():
     args = _parse("--nproc-per-node", "2", "--rdzv-endpoint", "127.0.0.1:29400")  # no DNS lookup of gpu07
     before = vars(args).copy()
-    plan = plan_launch(args, {**JOB, "PATH": "/usr/bin"})
+    plan = launch_spec(args, {**JOB, "PATH": "/usr/bin"})
     assert plan.slurm is not None and plan.slurm.node_id == 2
     assert (plan.nnodes, plan.options.rdzv_backend, plan.options.rdzv_id) == ("4", "c10d", "4242")
     assert plan.options.rdzv_endpoint == "127.0.0.1:29400"  # given on the command line: it wins

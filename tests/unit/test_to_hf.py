@@ -10,13 +10,13 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from meshrun.checkpoint.model_source import ModelSource  # noqa: E402
 from meshrun.errors import ConfigError  # noqa: E402
-from meshrun.models.export_hf import check_out, parse_size, plan_shards, write_hf  # noqa: E402
-from meshrun.models.generate import Sampler  # noqa: E402
 from meshrun.models.hf_keys import from_hf_key  # noqa: E402
 from meshrun.models.llama import ModelArgs, Transformer  # noqa: E402
 from meshrun.models.to_hf import hf_run_plan  # noqa: E402
+from meshrun.trained.export_hf import check_out, parse_size, plan_shards, write_hf  # noqa: E402
+from meshrun.trained.generate import Sampler  # noqa: E402
+from meshrun.trained.model_source import ModelSource  # noqa: E402
 
 MODEL = {"name": "tiny", "dim": 32, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "ffn_hidden": 64}
 

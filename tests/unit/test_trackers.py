@@ -16,8 +16,9 @@ from meshrun.config import load_config, to_toml
 from meshrun.config.loader import config_from_dict
 from meshrun.errors import ConfigError
 from meshrun.metrics import MetricsLogger
-from meshrun.metrics.trackers import TrackerSet, flat_config
-from meshrun.metrics.trackers_hosted import wandb_logged_in
+from meshrun.metrics.tracker_adapters import wandb_logged_in
+from meshrun.metrics.tracker_base import flat_config
+from meshrun.metrics.trackers import TrackerSet
 from meshrun.report import load_run, write_report
 from meshrun.report import profile as report_profile
 from meshrun.report.render import build_charts, summary_rows

@@ -76,11 +76,11 @@ def test_grad_norm_is_skipped_only_when_it_neither_clips_nor_logs():
 
 def test_built_layout_steps_a_meta_built_model_like_the_eager_one():
     """One process: build_layout materialises a meta model with the eager build's weights, and
-    its step / evaluate are train_step / evaluate on it."""
+    layout_step / layout_evaluate on it are train_step / evaluate on the eager model."""
     from meshrun.config.sections import ParallelSection, TrainSection
     from meshrun.parallel.layout import build_layout, is_meta
     from meshrun.parallel.resolve import ModelShape, ParallelOptions, resolve_layout
-    from meshrun.train.step import evaluate
+    from meshrun.train.step import evaluate, layout_evaluate, layout_step
 
     cpu = torch.device("cpu")
     with torch.device("meta"):
@@ -94,8 +94,8 @@ def test_built_layout_steps_a_meta_built_model_like_the_eager_one():
     opt_l, opt_e = (torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (layout.parts[0], eager))
     batch = itertools.repeat(_batch())
     for _ in range(2):
-        got, _, _ = layout.step([opt_l], batch, grad_accum=1, dtype="fp32", grad_clip=1.0)
+        got, _, _ = layout_step(layout, [opt_l], batch, grad_accum=1, dtype="fp32", grad_clip=1.0)
         want, _, _ = train_step(eager, opt_e, batch, grad_accum=1, device=cpu, dtype="fp32", grad_clip=1.0)
         assert torch.equal(got, want)
-    assert layout.evaluate([_batch(1)], steps=1, dtype="fp32") == evaluate(
+    assert layout_evaluate(layout, [_batch(1)], steps=1, dtype="fp32") == evaluate(
         eager, [_batch(1)], steps=1, device=cpu, dtype="fp32").item()

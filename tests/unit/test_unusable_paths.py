@@ -35,7 +35,7 @@ def test_is_checkpoint_says_no_and_unusable_says_why(tmp_path):
 
 
 def test_generate_with_a_name_too_long_is_one_line(tmp_path):
-    from meshrun.models.generate import load
+    from meshrun.trained.generate import load
 
     with pytest.raises(ConfigError, match=r"is not a usable path \(File name too long\)"):
         load(tmp_path / LONG)
@@ -78,8 +78,8 @@ def test_directories_a_filesystem_refuses_to_create_are_one_line(tmp_path, monke
     (tmp_path / "s.py").write_text("raise SystemExit('a worker started')\n")
     assert main(["launch", "--nproc-per-node", "1", "--log-dir", "/proc/meshrun-x", "s.py"]) == 2
     assert "--log-dir '/proc/meshrun-x' cannot be created" in capsys.readouterr().err
-    from meshrun.cli.train import claim_run_dir
     from meshrun.config import load_config
+    from meshrun.rundir.runs import claim_run_dir
 
     with pytest.raises(ConfigError, match=r"train.run_dir/train.name '/proc/meshrun-x' cannot be created"):
         claim_run_dir(load_config(None, ["train.run_dir=/proc/meshrun-x"]), None)

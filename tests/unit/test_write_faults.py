@@ -1,4 +1,4 @@
-"""Disk faults as one line, not a crash (issue 12, item 5): real failed writes under a file-size limit.
+"""Disk faults as one line, not a crash: real failed writes under a file-size limit.
 
 RLIMIT_FSIZE makes a write past the limit fail with EFBIG (Python ignores SIGXFSZ), so these
 run as any user; tests/e2e/test_disk_full.py fills a real filesystem (root only).
@@ -137,7 +137,7 @@ def test_failed_async_save_keeps_the_last_commit_and_latest(tmp_path):
 def test_final_weights_on_a_full_disk_are_one_line_and_leave_no_half_file(tmp_path):
     from types import SimpleNamespace
 
-    from meshrun.train.setup import WEIGHTS_FILE, save_final_weights
+    from meshrun.train.derived import WEIGHTS_FILE, save_final_weights
 
     layout = SimpleNamespace(full_state_dict=lambda: dict(BIG))
     with file_size_limit(), pytest.raises(DiskWriteError) as caught:

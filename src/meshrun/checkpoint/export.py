@@ -9,6 +9,7 @@ and the model is held once (the output dict), never twice. Only `model.*` is exp
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -155,3 +156,18 @@ def _safetensors(name: str):
 
     return getattr(import_extra("safetensors.torch", "--format safetensors (or use --format torch)",
                                 error=ConfigError), name)
+
+
+def check_init_from(init_from: str, build_model: Callable[[], nn.Module]) -> None:
+    """`model.init_from` must exist and fit this model's names and shapes: before any worker
+    starts (train/preflight.py), and on the workers against the meta-built model.
+
+    Reads the file's header (safetensors) or memory-maps it (torch), and builds the model on the
+    meta device (a model already there is returned as it is), so the check costs no weight memory.
+    """
+    if not init_from:
+        return
+    shapes = consolidated_shapes(init_from)
+    with torch.device("meta"):
+        model = build_model()
+    check_consolidated_fits(init_from, shapes, model)

@@ -1,7 +1,7 @@
 """The launcher's side of in-memory snapshots: one /dev/shm directory per `meshrun train`, removed at its end.
 
     with snapshot_area(enabled=fixed_interval(cfg.checkpoint.snapshot_interval) != 0):
-        run_plan(plan)          # the workers find the directory in MESHRUN_SNAPSHOT_DIR
+        run_spec(plan)          # the workers find the directory in MESHRUN_SNAPSHOT_DIR
 
 The directory outlives every worker (a restart finds its predecessors' snapshots) and no longer
 than the launcher: it is removed when `meshrun train` returns or raises. A launcher that was

@@ -8,7 +8,7 @@ JSON header, then every tensor's bytes back to back. The header holds the tree o
 (dicts, lists, tuples, numbers, strings) with each tensor replaced by `{"__t__": i}`, and each
 tensor's dtype, shape, offset and size. A reader checks the header's CRC and the file's size
 against it, and every tensor's extent, before it builds a single tensor, so a damaged file is
-"no snapshot", not a crash (STYLE point 15). The tensor bytes carry no checksum: a CRC of them
+"no snapshot", not a crash (data from disk is data). The tensor bytes carry no checksum: a CRC of them
 cost as much as the copy itself, and the files live in the launcher's private (0700) tmpfs
 directory, written only by this run's workers. A write goes to a temporary name and is renamed
 into place: a kill in the middle of it leaves the previous snapshot whole.

@@ -83,19 +83,3 @@ def check_resume(resume: str, build_model: Callable[[], nn.Module]) -> None:
     with torch.device("meta"):
         model = build_model()
     check_fits(path, model.state_dict())
-
-
-def check_init_from(init_from: str, build_model: Callable[[], nn.Module]) -> None:
-    """Before any worker starts: `model.init_from` must exist and fit this model's names and shapes.
-
-    Reads the file's header (safetensors) or memory-maps it (torch), and builds the model on the
-    meta device, so the check costs no weight memory.
-    """
-    if not init_from:
-        return
-    from meshrun.checkpoint.export import check_consolidated_fits, consolidated_shapes
-
-    shapes = consolidated_shapes(init_from)
-    with torch.device("meta"):
-        model = build_model()
-    check_consolidated_fits(init_from, shapes, model)

@@ -124,7 +124,7 @@ def main(argv: list[str]) -> int:
 
 
 def _export_hf(args: argparse.Namespace) -> int:
-    from meshrun.models.export_hf import export_hf
+    from meshrun.trained.export_hf import export_hf
 
     done = export_hf(Path(args.ckpt), Path(args.out), max_shard_size=args.max_shard_size or HF_SHARD_DEFAULT,
                      force=args.force)

@@ -16,8 +16,8 @@ from meshrun.config import JobConfig, describe, load_config
 
 def resolved(cfg: JobConfig) -> tuple[JobConfig, tuple[str, ...]]:
     """`cfg` with its parallel degrees resolved, and a note saying for which world size."""
+    from meshrun.launch.args import fixed_world_size
     from meshrun.parallel.resolve import ParallelOptions, resolve_layout, stated_degrees
-    from meshrun.train.preflight import fixed_world_size
 
     options = ParallelOptions.from_config(cfg)
     launch = cfg.launch

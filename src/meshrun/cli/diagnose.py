@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from meshrun.debug.postmortem import diagnose, format_diagnosis
+from meshrun.diagnose.postmortem import diagnose, format_diagnosis
 
 
 def main(argv: list[str]) -> int:

@@ -37,7 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
-    from meshrun.models.generate import Sampler, generate_text, load
+    from meshrun.trained.generate import Sampler, generate_text, load
 
     sampler = Sampler(args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed)
     loaded = load(Path(args.path))

@@ -111,8 +111,8 @@ def parallel_toml(e: MemoryEstimate) -> str:
 
 def _world_for_show(cfg, world: int | None) -> int:
     """--world; else the [launch] world when it is fixed; else the product of the degrees."""
+    from meshrun.launch.args import fixed_world_size
     from meshrun.parallel.resolve import ParallelOptions, stated_degrees
-    from meshrun.train.preflight import fixed_world_size
 
     if world is not None:
         return world

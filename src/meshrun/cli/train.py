@@ -4,7 +4,7 @@
     meshrun train examples/configs/tiny.toml --set optim.lr=3e-4 --nproc-per-node 2
 
 The config is resolved and checked here, once; runs/<name>/ is locked for the whole run
-(runtime/rundir.py), the start is checked against the run's history (checkpoint/history.py:
+(rundir/: lock.py, runs.py), the start is checked against the run's history (rundir/history.py:
 what would discard or rewrite it needs --force), and a new run's config is saved to
 runs/<name>/config.toml; then the workers are started through `meshrun launch` (torchrun's agent),
 so every launch option works.
@@ -20,13 +20,14 @@ import time
 from pathlib import Path
 
 from meshrun.config import JobConfig, load_config, save_config, set_hint
-from meshrun.config.validate import check_job
+from meshrun.config.fault_section import is_torchft
 from meshrun.errors import ConfigError, LaunchError, shown
-from meshrun.fault.settings import check_fault, is_torchft
 from meshrun.launch.args import build_parser as build_launch_parser
 from meshrun.launch.args import parse_nnodes
-from meshrun.launch.plan import checked_options, plan_launch
+from meshrun.launch.spec import checked_options, launch_spec
 from meshrun.launch.torchrun_flags import OneLineParser
+from meshrun.rundir.runs import claim_run_dir
+from meshrun.train.preflight import check_before_torch, check_with_torch
 from meshrun.train.profile import parse_steps
 
 # Launch options that make no sense here: the training target is meshrun's own worker.
@@ -135,41 +136,6 @@ def _name_config_key(exc: LaunchError, launch_argv: list[str]) -> LaunchError:
     return exc
 
 
-def claim_run_dir(cfg: JobConfig, job: str | None):
-    """(run directory, its held RunLock): train.name's, the unfinished run an unnamed run continues,
-    or a new timestamped one (created exclusively: two unnamed runs in one second get two).
-
-    `job`: None on one node (an exclusive lock); on several, the key the launchers of this job
-    share the lock under (every node runs `meshrun train` on the same directory).
-    """
-    from meshrun.checkpoint.runs import claim_unfinished_run
-    from meshrun.runtime.rundir import RunLock, create_unique
-
-    root = Path(cfg.train.run_dir)
-    if cfg.train.name:
-        run_dir = root / cfg.train.name
-        _make_dir(run_dir)
-        return run_dir, RunLock.acquire(run_dir, job)  # RunDirBusy (exit 2) names the live holder
-    claimed = claim_unfinished_run(cfg, job)  # an unnamed re-run continues its unfinished run, not a new one
-    if claimed is not None:
-        print(f"meshrun train: continuing the unfinished run {claimed[0]} (same settings, has a checkpoint); "
-              "--resume never starts a new run", file=sys.stderr)
-        return claimed
-    _make_dir(root)
-    run_dir = create_unique(root, time.strftime("%Y%m%d-%H%M%S"))
-    return run_dir, RunLock.acquire(run_dir, job)
-
-
-def _make_dir(path: Path) -> None:
-    """mkdir -p, or one line naming train.run_dir: the checks before launch ask access(), which
-    a filesystem such as /proc answers yes to and then refuses the mkdir."""
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise ConfigError(f"train.run_dir/train.name {shown(str(path))} cannot be created ({exc.strerror or exc}); "
-                          "give a directory you can write") from None
-
-
 def check_unknown_flags(parser: argparse.ArgumentParser, rest: list[str]) -> None:
     """A flag that is neither train's nor a launch option: one line, with `--set` when it names a
     config key (`--steps 20` -> did you mean `--set train.steps=20`?)."""
@@ -220,32 +186,17 @@ def check_train_args(argv: list[str]) -> tuple[argparse.Namespace, JobConfig, ar
         options = checked_options(launch_args)  # every flag, SLURM's filled in: may say there are several nodes
     except LaunchError as exc:
         raise _name_config_key(exc, from_config) from None
-    check_job(cfg, nproc_per_node=options.nproc_per_node, nnodes=options.nnodes)
-    check_fault(cfg, nnodes=options.nnodes)  # [fault] mode = "torchft": its rules and extra
+    check_before_torch(cfg, nproc_per_node=options.nproc_per_node, nnodes=options.nnodes)  # train/preflight.py
     return args, cfg, launch_args, options
 
 
 def main(argv: list[str]) -> int:
     args, cfg, launch_args, options = check_train_args(argv)
-    from meshrun.launch.launcher import check_log_dir, run_plan  # torch from here on
-    from meshrun.train.preflight import preflight
+    from meshrun.launch.launcher import check_log_dir, run_spec  # torch from here on
 
-    plan = plan_launch(launch_args, checked=options)
-    preflight(cfg, nproc_per_node=plan.nproc_per_node, nnodes=plan.nnodes)
-    from meshrun.checkpoint.verify import (  # torch: only once the input parsed
-        check_init_from,
-        check_resume,
-    )
-    from meshrun.data.tokenizer import load_tokenizer
-    from meshrun.models.factory import build_model
-
-    # --resume PATH and model.init_from: of this model's names and shapes, or one line and exit 2
-    def model_to_check():  # built on the meta device by the checks: shapes only, init_from not loaded
-        return build_model(cfg.model, load_tokenizer(cfg.data.tokenizer).vocab_size, seed=0)
-
-    check_resume(cfg.checkpoint.resume, model_to_check)
-    check_init_from(cfg.model.init_from, model_to_check)
-    from meshrun.checkpoint.history import plan_start, saved_form
+    plan = launch_spec(launch_args, checked=options)
+    check_with_torch(cfg, nproc_per_node=plan.nproc_per_node, nnodes=plan.nnodes)  # train/preflight.py
+    from meshrun.rundir.history import plan_start, saved_form
 
     multi_node = parse_nnodes(plan.nnodes)[1] > 1
     job = f"{plan.options.rdzv_endpoint}|{plan.options.rdzv_id}" if multi_node else None
@@ -273,6 +224,6 @@ def main(argv: list[str]) -> int:
         started = time.time()
         try:
             with snapshot_area(enabled=fixed_interval(cfg.checkpoint.snapshot_interval) != 0):  # /dev/shm
-                return run_plan(plan)
+                return run_spec(plan)
         except SignalException as exc:  # SIGTERM/SIGINT to the agent; it has stopped the workers
             return preempted_exit_code(run_dir, exc.sigval, since=started)

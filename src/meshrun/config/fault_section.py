@@ -6,7 +6,8 @@ from dataclasses import dataclass
 
 from meshrun.config.base import Section, doc_field
 
-FAULT_MODES = ("exact", "torchft")  # fault.mode
+TORCHFT = "torchft"
+FAULT_MODES = ("exact", TORCHFT)  # fault.mode
 
 
 @dataclass(frozen=True)
@@ -34,3 +35,8 @@ class FaultSection(Section):
             self.at_least(name, 1)
         for name in ("timeout_s", "quorum_timeout_s"):
             self.require(name, getattr(self, name) > 0, "> 0 seconds")
+
+
+def is_torchft(cfg) -> bool:
+    """Whether a JobConfig runs replica groups under torchft (meshrun.fault)."""
+    return cfg.fault.mode == TORCHFT

@@ -17,6 +17,10 @@ from meshrun.errors import ConfigError
 from meshrun.parallel.resolve import DTYPE_NAMES, ParallelOptions, check_options
 from meshrun.parallel.rules import check_optimizer_shards, shards_parameters
 
+# [model] keys that describe the built-in decoder: a model.hf directory's config.json says all of these.
+HF_SHAPE_KEYS = ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden", "max_seq_len",
+                 "tie_embeddings", "rope_theta", "norm_eps")
+
 SCHEDULES = ("cosine", "constant", "linear", "wsd")  # optim.schedule (meshrun.train.schedules)
 OPTIMIZERS = ("adamw", "adam", "sgd", "adafactor", "muon")  # optim.name (meshrun.train.optimizers)
 IMPLEMENTATIONS = ("auto", "fused", "foreach", "for-loop")  # optim.implementation
@@ -59,9 +63,25 @@ class ModelSection(Section):
             raise ConfigError(
                 f"model.n_heads ({self.n_heads}) must be a multiple of model.n_kv_heads ({self.n_kv_heads})"
             )
-        from meshrun.models.hf_config import check_hf_section
+        self._check_hf()
 
-        check_hf_section(self)
+    def _check_hf(self) -> None:
+        """model.hf against the other [model] keys: the directory gives the architecture and the
+        weights, so factory, init_from and the size keys would contradict it. Its files are read
+        before launch (train/preflight.py), not here."""
+        if not self.hf:
+            return
+        if self.factory:
+            raise ConfigError(f"model.hf={self.hf!r} and model.factory={self.factory!r} both build the model; "
+                              "set one of them")
+        if self.init_from:
+            raise ConfigError(f"model.hf={self.hf!r} loads its own weights, so model.init_from="
+                              f"{self.init_from!r} would overwrite them; drop model.init_from")
+        for key in HF_SHAPE_KEYS:
+            value = getattr(self, key)
+            if value not in (0, None, "") and value is not False:
+                raise ConfigError(f"model.{key}={value!r} cannot change the shape of model.hf={self.hf!r} "
+                                  f"(its config.json says it); drop model.{key}")
 
 
 @dataclass(frozen=True)
@@ -277,10 +297,6 @@ class JobConfig:
                 f"data.seq_len ({data.seq_len}) must be <= model.max_seq_len ({model.max_seq_len}); "
                 "raise model.max_seq_len or set it to 0 (the named size's)"
             )
-        if model.hf:
-            from meshrun.models.hf_config import check_hf_seq_len
-
-            check_hf_seq_len(model.hf, data.seq_len)
 
 
 SECTIONS: dict[str, type[Section]] = {

@@ -20,7 +20,7 @@ import sys
 import threading
 from collections.abc import Callable
 
-from meshrun.debug.progress import CollectiveRecord, Progress
+from meshrun.debug.heartbeat import CollectiveRecord, Heartbeat
 
 # op -> (position, keyword) of the tensor whose dtype and shape every rank must agree on;
 # None: nothing comparable (objects, per-rank split sizes).
@@ -79,8 +79,8 @@ def _group_name(group) -> str:
 class CollectivePatch:
     """torch.distributed's collectives wrapped for one process: per-group counts, call sites, checks."""
 
-    def __init__(self, progress: Progress) -> None:
-        self.progress = progress
+    def __init__(self, heartbeat: Heartbeat) -> None:
+        self.heartbeat = heartbeat
         self.checker = None  # a fingerprint.Checker when --debug collectives, from the first collective on
         self.skip_dirs: tuple[str, ...] = ()  # frames that are not the user's: torch, meshrun
         self._fallback_skip: tuple[str, ...] = ()
@@ -158,7 +158,7 @@ class CollectivePatch:
         Recorded like a collective (so a peer that never arrives is reported), but its return is
         not progress: a job's start-up never arms the watchdog's every-stall rule.
         """
-        progress = self.progress
+        progress = self.heartbeat
 
         @functools.wraps(fn)
         def wrapper(*args, **kwargs):
@@ -191,7 +191,7 @@ class CollectivePatch:
 
     def _wrap(self, op: str, fn):
         where = OPS[op]
-        tls, seqs, progress = self._tls, self._seqs, self.progress
+        tls, seqs, progress = self._tls, self._seqs, self.heartbeat
 
         @functools.wraps(fn)
         def wrapper(*args, **kwargs):

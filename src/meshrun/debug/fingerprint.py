@@ -16,7 +16,7 @@ import json
 import time
 from collections import Counter
 
-from meshrun.debug.progress import CollectiveRecord
+from meshrun.debug.heartbeat import CollectiveRecord
 
 
 class CollectiveMismatchError(RuntimeError):

@@ -17,20 +17,20 @@ import os
 import sys
 from dataclasses import replace
 from datetime import timedelta
+from typing import Protocol
 
+from meshrun.debug.after_import import AfterImport
 from meshrun.debug.collectives import CollectivePatch
-from meshrun.debug.progress import Progress
+from meshrun.debug.heartbeat import Heartbeat
 from meshrun.debug.settings import MIN_HANG_TIMEOUT_S, DebugSettings, check_collective_timeout
-from meshrun.runtime import process
-from meshrun.runtime.after_import import AfterImport
 
 
 class DebugHooks:
     """The hang watchdog and `--debug collectives` of one worker: what is installed, and its undoing."""
 
-    def __init__(self, settings: DebugSettings, progress: Progress) -> None:
+    def __init__(self, settings: DebugSettings, heartbeat: Heartbeat) -> None:
         self.settings = settings
-        self.progress = progress
+        self.heartbeat = heartbeat
         self.collectives: CollectivePatch | None = None
         self.watchdog = None
         self._finder: AfterImport | None = None
@@ -67,11 +67,11 @@ class DebugHooks:
 
         from meshrun.debug.optim_check import first_step_check
 
-        self.collectives = CollectivePatch(self.progress)
+        self.collectives = CollectivePatch(self.heartbeat)
         self.collectives.install(self._make_checker if self.settings.collectives else None)
         self.collectives.on_leave(self.before_shutdown)  # the script's own destroy_process_group()
         self.start_watchdog()  # now, not at the first collective: a rank that never gets there is a hang too
-        progress = self.progress
+        progress = self.heartbeat
         self._handles = [
             register_optimizer_step_post_hook(lambda *_: progress.beat()),
             register_optimizer_step_pre_hook(first_step_check),  # FSDP2: optimizer built before fully_shard
@@ -108,7 +108,7 @@ class DebugHooks:
         from meshrun.debug.watchdog import Watchdog
 
         skip = self.collectives.skip_dirs if self.collectives is not None else ()
-        self.watchdog = Watchdog(hang, rank, world, connect, skip, self.progress)
+        self.watchdog = Watchdog(hang, rank, world, connect, skip, self.heartbeat)
         self.watchdog.start()
 
     def collective_timeout(self, timeout: timedelta | None) -> timedelta | None:
@@ -147,7 +147,7 @@ class DebugHooks:
     def before_shutdown(self) -> None:
         """This rank has made its last collective: tell fingerprint peers, stop watching for hangs."""
         checker = self.collectives.checker if self.collectives is not None else None
-        if checker is not None and not self.progress.job_ending.is_set():  # else nobody waits for it
+        if checker is not None and not self.heartbeat.job_ending.is_set():  # else nobody waits for it
             checker.mark_done()
             self.collectives.checker = None  # once: destroy_process_group(), then exit, both come here
         if self.watchdog is not None:
@@ -171,16 +171,23 @@ class DebugHooks:
             self._at_exit = False
 
 
-def attach(runtime: process.Runtime) -> DebugHooks:
+class HooksHolder(Protocol):
+    """What the hooks hang on: the process's one Runtime (meshrun.runtime.process), passed down."""
+
+    debug: DebugHooks | None
+    heartbeat: Heartbeat
+
+
+def attach(runtime: HooksHolder) -> DebugHooks:
     """The runtime's DebugHooks, made from the environment's settings on first use."""
     if runtime.debug is None:
-        runtime.debug = DebugHooks(DebugSettings.from_env(), runtime.progress)
+        runtime.debug = DebugHooks(DebugSettings.from_env(), runtime.heartbeat)
     return runtime.debug
 
 
-def install_import_hook() -> None:
+def install_import_hook(runtime: HooksHolder) -> None:
     """The launch bootstrap's entry: wrap collectives once the user's script imports torch."""
-    attach(process.get()).install_import_hook()
+    attach(runtime).install_import_hook()
 
 
 def _rank_world() -> tuple[int, int]:

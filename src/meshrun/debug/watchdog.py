@@ -1,6 +1,6 @@
 """The hang watchdog: when no rank makes progress for --hang-timeout seconds, fail with stacks.
 
-Progress is a returned collective (collectives.py), an optimizer step (a global step hook, so
+Heartbeat is a returned collective (collectives.py), an optimizer step (a global step hook, so
 any training loop counts), or an explicit `meshrun.heartbeat()`. A background thread, started
 when the worker imports torch, reads the local counter once a second: the training loop itself
 pays nothing beyond those increments. Each thread adds its rank's new progress to one store
@@ -25,7 +25,7 @@ import sys
 import threading
 import time
 
-from meshrun.debug.progress import Progress
+from meshrun.debug.heartbeat import Heartbeat
 
 HANG_EXIT_CODE = 124
 ALARM_KEY = "hang/alarm"
@@ -41,9 +41,9 @@ DUMP_GRACE_S = 5.0  # how long the first rank waits for the others to print thei
 
 class Watchdog(threading.Thread):
     def __init__(self, timeout_s: float, rank: int, world_size: int, store_factory, skip_dirs,
-                 progress: Progress) -> None:
+                 heartbeat: Heartbeat) -> None:
         super().__init__(name="meshrun-hang-watchdog", daemon=True)
-        self.progress = progress
+        self.heartbeat = heartbeat
         self.timeout_s = timeout_s
         self.rank = rank
         self.world_size = world_size
@@ -91,7 +91,7 @@ class Watchdog(threading.Thread):
         seen_total, changed_at = -1, time.monotonic()
         while not self.stopped.wait(self.poll_s):
             try:
-                local = self.progress.count
+                local = self.heartbeat.count
                 if local != published:
                     total = store.add(PROGRESS_KEY, local - published)
                     published = local
@@ -100,7 +100,7 @@ class Watchdog(threading.Thread):
                 if store.check([ALARM_KEY]):
                     return self._fire(store, json.loads(store.get(ALARM_KEY)))
                 if store.add(LEFT_KEY, 0) > 0:  # a peer finished: the job is ending, its store may go
-                    self.progress.job_ending.set()
+                    self.heartbeat.job_ending.set()
                     self.store = None
                     store.add(STOPPED_KEY, 1)
                     self.counted = True
@@ -151,15 +151,15 @@ class Watchdog(threading.Thread):
 
     def _waited_in_collective(self) -> bool:
         """This rank has been inside one collective for the whole timeout (its peers are not coming)."""
-        inside = self.progress.open_collective()
+        inside = self.heartbeat.open_collective()
         return inside is not None and time.time() - inside.started >= self.timeout_s
 
     def _fire(self, store, alarm: dict) -> None:
         from meshrun.debug.stacks import dump_all_threads, main_thread_site
 
-        self.progress.hang_reported.set()
+        self.heartbeat.hang_reported.set()
         site, in_torch = main_thread_site(self.skip_dirs)
-        inside = self.progress.open_collective()
+        inside = self.heartbeat.open_collective()
         if inside is not None:
             state, where = "collective", f"waiting in {inside.op} #{inside.seq} at {inside.site} for a peer"
         elif in_torch:
@@ -171,9 +171,9 @@ class Watchdog(threading.Thread):
         err = sys.stderr
         print(f"meshrun: {head}", file=err)
         print(f"meshrun: rank {self.rank}'s last collectives (oldest first):", file=err)
-        for record in self.progress.recent:
+        for record in self.heartbeat.recent:
             print(f"    {record.describe()}", file=err)
-        if not self.progress.recent:
+        if not self.heartbeat.recent:
             print("    none seen from Python", file=err)
         _flight_recorder(err)
         print(f"meshrun: rank {self.rank}'s Python stacks, every thread:", file=err)

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from meshrun.launch.args import usable_cpus
+from meshrun.runtime.device import usable_cpus
 
 PASS, WARN, FAIL, INFO = "PASS", "WARN", "FAIL", "INFO"
 STATUSES = (PASS, WARN, FAIL, INFO)

@@ -10,7 +10,7 @@ from collections.abc import Mapping
 
 from meshrun.doctor.checks import FAIL, INFO, PASS, WARN, Check
 from meshrun.errors import EnvError
-from meshrun.launch.args import usable_cpus
+from meshrun.runtime.device import usable_cpus
 from meshrun.runtime.env import LAUNCH_VARS, read_launch_env
 
 # Set per worker by torchrun; in an interactive shell they are left over from another job.

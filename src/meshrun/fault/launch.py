@@ -23,13 +23,6 @@ import sys
 import time
 from pathlib import Path
 
-from meshrun.checkpoint.runs import (
-    CONFIG_FILE,
-    FINAL_WEIGHTS,
-    finished_step,
-    set_aside_final,
-    write_finished,
-)
 from meshrun.config import JobConfig
 from meshrun.errors import ConfigError
 from meshrun.extras import import_extra
@@ -41,6 +34,13 @@ from meshrun.fault.settings import (
     NUM_GROUPS_ENV,
     RECORDS_DIR,
     RECORDS_ENV,
+)
+from meshrun.rundir.runs import (
+    CONFIG_FILE,
+    FINAL_WEIGHTS,
+    finished_step,
+    set_aside_final,
+    write_finished,
 )
 
 QUORUM_TICK_MS = 10  # how often the lighthouse re-checks a pending quorum
@@ -80,7 +80,7 @@ def group_command(cfg: JobConfig, plan, run_dir: Path, group: int) -> list[str]:
     worker_args = list(plan.options.training_script_args)  # --run-dir RUN_DIR --resume ... [--profile ...]
     worker_args[worker_args.index("--run-dir") + 1] = str(group_dir(run_dir, group))
     return [sys.executable, "-m", "meshrun", "launch", "--nproc-per-node", str(cfg.fault.group_size),
-            *group_launch_flags(plan.options), "--log-dir", str(log_dir), "-m", "meshrun.train.worker", *worker_args]
+            *group_launch_flags(plan.options), "--log-dir", str(log_dir), "-m", "meshrun.fault.worker", *worker_args]
 
 
 def reopen_group(gdir: Path) -> None:

@@ -1,12 +1,12 @@
 """A worker of one replica group under torchft's Manager: the trainer's hook in torchft mode.
 
-    steps = attach(cfg, env, layout, state, metrics=None)   # train/trainer.py, after the resume
+    steps = attach(cfg, env, layout, state)          # train/trainer.py, after the resume
     for step in steps.steps(state, cfg.train.steps, metrics):
-        ...; steps.step_done(checkpointer, state)             # the checkpointer's end of the step
+        ...; steps.step_done(checkpointer, state)    # the checkpointer's end of the step
 
-In exact mode `attach` returns `ExactSteps`, whose `steps` is the trainer's plain range. In torchft
-mode (meshrun.fault.launch started this group with REPLICA_GROUP_ID, NUM_REPLICA_GROUPS and
-TORCHFT_LIGHTHOUSE) it returns a `Replica`, which before each step:
+meshrun.fault.worker hands `attach` to the trainer (its StepSource factory); exact mode never
+imports this module. meshrun.fault.launch started this group with REPLICA_GROUP_ID,
+NUM_REPLICA_GROUPS and TORCHFT_LIGHTHOUSE; the `Replica` `attach` returns, before each step:
 
 1. forms a quorum with the other groups (synchronously: `use_async_quorum=False`, so a heal is
    applied between steps, on this thread, never under a running step);
@@ -43,26 +43,14 @@ from meshrun.fault.settings import (
     LIGHTHOUSE_ENV,
     NUM_GROUPS_ENV,
     RECORDS_ENV,
-    is_torchft,
 )
 
 logger = logging.getLogger(__name__)
 
 
-class ExactSteps:
-    """Exact mode: the steps are the trainer's range, nothing else happens."""
-
-    def steps(self, state, total: int, metrics=None):
-        return range(state.step + 1, total + 1)
-
-    def step_done(self, checkpointer, state) -> None:
-        checkpointer.step_done(state)
-
-
-def attach(cfg, env, layout, state):
-    """ExactSteps, or this worker's Replica in torchft mode (wraps the model and optimizer in place)."""
-    if not is_torchft(cfg):
-        return ExactSteps()
+def attach(cfg, env, layout, state) -> Replica:
+    """This worker's Replica (wraps the model and optimizer in place): the trainer's step source
+    in torchft mode (train/trainer.py's StepSource), handed over by meshrun.fault.worker."""
     return Replica(cfg.fault, env, layout, state)
 
 

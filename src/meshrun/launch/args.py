@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 
 from meshrun.errors import LaunchError
+from meshrun.runtime.device import auto_nproc_per_node
 
 LAUNCH_DESCRIPTION = """\
 Start N copies of a training script, one per device, the way torchrun does (its elastic agent
@@ -36,40 +36,9 @@ scripts may call meshrun.init() to pick the device and backend for them.
 """
 
 # Most CPU runs gain nothing past a few gloo processes, and each one holds a full model copy.
-MAX_AUTO_CPU_PROCS = 4
 NPROC_KEYWORDS = ("cpu", "gpu", "xpu")  # torchrun's own spellings for "one per device of that kind"
 MAX_NPROC_PER_NODE = 4096  # more worker processes than any node runs: a typo, not a plan
 MAX_NNODES = 1_000_000
-
-
-def auto_nproc_per_node(*, import_torch: bool = True) -> int:
-    """`--nproc-per-node auto`: one process per accelerator; on CPU, the cores, at least 2, at most 4.
-
-    import_torch=False answers without importing torch (for a hint printed by a plain-python
-    process): it asks torch only when it is already imported, else counts /dev/nvidiaN.
-    """
-    torch = sys.modules.get("torch")
-    if torch is None and import_torch:
-        import torch
-    gpus = 0
-    if torch is not None:
-        try:
-            gpus = torch.accelerator.device_count() if torch.accelerator.is_available() else 0
-        except (AttributeError, RuntimeError):
-            gpus = 0
-    else:
-        try:
-            gpus = len([d for d in os.listdir("/dev") if d.startswith("nvidia") and d[6:].isdigit()])
-        except OSError:
-            gpus = 0
-    if gpus > 0:
-        return gpus
-    return max(2, min(MAX_AUTO_CPU_PROCS, usable_cpus()))
-
-
-def usable_cpus() -> int:
-    """CPU cores this process may run on (its affinity mask, not the machine's count)."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def check_nproc_per_node(value: str) -> str:
@@ -107,6 +76,16 @@ def fixed_nnodes(text: str | int) -> int | None:
     """N for `--nnodes N` or `N:N`; None for an elastic MIN:MAX range (LaunchError when malformed)."""
     low, high = parse_nnodes(text)
     return low if low == high else None
+
+
+def fixed_world_size(nproc_per_node: str, nnodes: str) -> int | None:
+    """nproc_per_node x nnodes when both are fixed numbers; None for 'auto', cpu/gpu counts or
+    an elastic MIN:MAX node range (the world is known only at launch)."""
+    nodes = fixed_nnodes(str(nnodes))
+    nproc = str(nproc_per_node).strip()
+    if not nproc.isdigit() or nodes is None:
+        return None
+    return int(nproc) * nodes
 
 
 def build_parser(prog: str = "meshrun launch") -> argparse.ArgumentParser:

@@ -5,7 +5,7 @@ signal), the rank's error file (`error.json`: meshrun's worker bootstrap or torc
 `@record`, which covers the hang watchdog's and the collective checker's reports, raised as
 exceptions), and its stderr/stdout logs. `RankFailure` gathers them; `status` and `describe()`
 are the only formatters. The launcher's summary (summary.py), its per-attempt notices
-(attempts.py) and `meshrun diagnose` (debug/postmortem.py) all use this type.
+(attempts.py) and `meshrun diagnose` (diagnose/postmortem.py) all use this type.
 
 A rank that raised is reported as having raised, even when the agent then stopped it with
 SIGTERM while it was still exiting: the signal is the agent's reaction to a peer, not the cause.

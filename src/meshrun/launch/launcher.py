@@ -1,8 +1,8 @@
-"""Run a LaunchPlan under torchrun's elastic agent; on failure, print who failed first and why.
+"""Run a LaunchSpec under torchrun's elastic agent; on failure, print who failed first and why.
 
 The pipeline is torchrun's own (parse → config_from_args → elastic_launch), reached through
 torch_elastic.py; the decisions meshrun adds (auto nproc, free port, SLURM, network, tee'd and
-prefixed logs, the job's environment) are made once, in plan.py. Python workers are wrapped in
+prefixed logs, the job's environment) are made once, in spec.py. Python workers are wrapped in
 `worker_main.py` so failures are recorded, and a failed job ends with a summary (summary.py).
 What only a failure needs is imported when it happens: the time to the user's first line is
 torchrun's plus as little as possible (benchmarks/launch_overhead.py).
@@ -18,24 +18,24 @@ import tempfile
 
 from meshrun.errors import LaunchError, shown
 from meshrun.launch import attempts
-from meshrun.launch.plan import RANK_PREFIX, WORKER_MAIN, LaunchPlan, plan_launch
 from meshrun.launch.preflight import check_rendezvous
+from meshrun.launch.spec import RANK_PREFIX, WORKER_MAIN, LaunchSpec, launch_spec
 
-__all__ = ["RANK_PREFIX", "WORKER_MAIN", "build_launch", "rendezvous_failure", "run_launch", "run_plan"]
+__all__ = ["RANK_PREFIX", "WORKER_MAIN", "build_launch", "rendezvous_failure", "run_launch", "run_spec"]
 
 RENDEZVOUS_FAILED_EXIT = 1  # a rendezvous that cannot complete is a failed job, not bad input
 
 
 def run_launch(args: argparse.Namespace) -> int:
-    """Plan a parsed `meshrun launch` namespace and run it (see run_plan)."""
+    """Plan a parsed `meshrun launch` namespace and run it (see run_spec)."""
     try:
-        plan = plan_launch(args)
+        plan = launch_spec(args)
     except LaunchError as exc:
         from meshrun.launch.summary import record_launch_error
 
         record_launch_error(args.log_dir or None, str(exc), "preflight")
         raise
-    return run_plan(plan)
+    return run_spec(plan)
 
 
 def check_log_dir(log_dir: str | None) -> None:
@@ -53,7 +53,7 @@ def _log_dir_error(log_dir: str, exc: OSError) -> LaunchError:
                        "give a directory you can write, or leave --log-dir out")
 
 
-def build_launch(plan: LaunchPlan, log_dir: str):
+def build_launch(plan: LaunchSpec, log_dir: str):
     """(LaunchConfig, entrypoint, entrypoint args) for a plan whose logs go to `log_dir`."""
     from meshrun.launch import torch_elastic
 
@@ -75,7 +75,7 @@ def build_launch(plan: LaunchPlan, log_dir: str):
     return config, cmd, cmd_args
 
 
-def run_plan(plan: LaunchPlan) -> int:
+def run_spec(plan: LaunchSpec) -> int:
     """Run the job to completion; print a failure summary and return the exit code."""
     from meshrun.launch import torch_elastic
 

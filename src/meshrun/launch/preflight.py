@@ -57,7 +57,7 @@ EMPTY_STORE = "empty store"  # nobody's rendezvous yet: the agent writes ours
 def check_rendezvous(options: argparse.Namespace) -> str:
     """Raise LaunchError when the job's rendezvous cannot work as given; else say what was found.
 
-    `options` holds torchrun's rendezvous options (a `meshrun launch` namespace, or a LaunchPlan's
+    `options` holds torchrun's rendezvous options (a `meshrun launch` namespace, or a LaunchSpec's
     options). Returns one of the verdicts above (STANDALONE, STATIC, WILL_HOST, JOINS, ...).
     """
     if getattr(options, "standalone", False):

@@ -6,7 +6,7 @@ elastic agent can start workers as a Python callable with a multiprocessing star
 (`LaunchConfig.start_method`, torch/distributed/elastic/multiprocessing/api.py
 `MultiprocessContext`); with "forkserver", Python's multiprocessing starts one server process that
 imports the preload modules once (`multiprocessing.set_forkserver_preload`), and every worker of
-every attempt is a fork of it. Only `meshrun train`'s worker target uses it (plan.py decides):
+every attempt is a fork of it. Only `meshrun train`'s worker target uses it (spec.py decides):
 user scripts under `meshrun launch` keep torchrun's `python -u worker_main.py ...` path.
 
 What a worker gets is what worker_main.py gives a Popen'd one (`worker_main.run`): error file,
@@ -16,7 +16,7 @@ summary; torch's agent redirects and tees each rank's output with the same prefi
 
 Fork safety: fork() copies only the calling thread, so a lock another thread held at the fork
 stays locked forever in the child. The forkserver is single-threaded by construction (it only
-imports modules, whose import must start no thread: docs/STYLE point 13, and torch's import starts
+imports modules, whose import must start no thread: reading a module changes nothing (tests/unit/test_structure.py), and torch's import starts
 none; OpenMP/intra-op pools start at the first parallel op, never in the forkserver). Each
 worker checks it: it counts its parent's threads (/proc) and records the figure
 (`forkserver_threads` in events.jsonl's `worker_start`); a parent with more than one thread gets
@@ -44,7 +44,7 @@ PRELOAD_MODULES = (
     "meshrun.launch.worker_main",
     "meshrun.launch.preload",
     "meshrun.config",
-    "meshrun.checkpoint.runs",
+    "meshrun.rundir.runs",
     "meshrun.debug.hooks",
     "meshrun.debug.optim_check",
     "meshrun.debug.store",
@@ -55,7 +55,7 @@ PRELOAD_MODULES = (
     "meshrun.train.profile",
     "meshrun.train.trainer",
 )
-PRELOADED_TARGETS = ("meshrun.train.worker",)  # `-m` targets whose workers fork from the preloaded server
+PRELOADED_TARGETS = ("meshrun.train.worker", "meshrun.fault.worker")  # `-m` targets whose workers fork from the preloaded server
 WORKER_NAME = b"meshrun-worker"  # the forked worker's /proc/PID/comm (its cmdline is the forkserver's)
 START_METHOD = "forkserver"
 

@@ -100,7 +100,7 @@ def _wait_for_hang_report() -> bool:
     """While the hang watchdog reports (it then exits the process), let the main thread add nothing."""
     process = sys.modules.get("meshrun.runtime.process")
     runtime = process.peek() if process is not None else None
-    if runtime is None or not runtime.progress.hang_reported.is_set():
+    if runtime is None or not runtime.heartbeat.hang_reported.is_set():
         return False
     time.sleep(30)  # the watchdog ends the process within its grace period; this is only a bound
     return True
@@ -133,8 +133,9 @@ class _DebugWhenTorchImports:
             return None
         sys.meta_path.remove(self)
         from meshrun.debug.hooks import install_import_hook
+        from meshrun.runtime import process
 
-        install_import_hook()  # puts its own finder, which wraps torch's import, first on sys.meta_path
+        install_import_hook(process.get())  # puts its own finder, which wraps torch's import, first on sys.meta_path
         import importlib.util
 
         return importlib.util.find_spec(name)
@@ -149,7 +150,7 @@ def _hold_rank0_store() -> None:
     """
     if os.environ.get("RANK") != "0" or not os.environ.get("MASTER_ADDR") or not os.environ.get("MASTER_PORT"):
         return
-    from meshrun.runtime.after_import import after_torch_import
+    from meshrun.debug.after_import import after_torch_import
 
     def hold() -> None:
         from meshrun.runtime.store import hold_rank0_store
@@ -170,8 +171,9 @@ def _install_debug() -> None:
     if os.environ.get("MESHRUN_DEBUG") or os.environ.get("MESHRUN_HANG_TIMEOUT", "0") not in ("0", ""):
         if "torch" in sys.modules:
             from meshrun.debug.hooks import install_import_hook
+            from meshrun.runtime import process
 
-            install_import_hook()
+            install_import_hook(process.get())
         else:
             sys.meta_path.insert(0, _DebugWhenTorchImports())
 

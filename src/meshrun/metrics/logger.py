@@ -23,7 +23,9 @@ import time
 from pathlib import Path
 from typing import IO, Any
 
-from meshrun.metrics.trackers import TensorBoardTracker, TrackerSet, flat_config
+from meshrun.metrics.tracker_adapters import TensorBoardTracker
+from meshrun.metrics.tracker_base import flat_config
+from meshrun.metrics.trackers import TrackerSet
 from meshrun.runtime.diskfault import disk_fault, disk_write_error
 
 logger = logging.getLogger(__name__)

@@ -14,118 +14,21 @@ A resumed run continues the same tracker run: ids are kept in runs/<name>/tracke
 
 from __future__ import annotations
 
-import json
 import logging
-import math
-import os
-import warnings
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
+
+from meshrun.metrics.tracker_base import Tracker, TrackerState, flat_config, numeric
 
 logger = logging.getLogger(__name__)
 
-STATE_FILE = "trackers.json"
-TENSORBOARD_DIR = "tb"
-PROJECT = "meshrun"  # the MLflow experiment, W&B project and trackio project, unless the user names one
-MAX_STATE_BYTES = 64 * 1024
-
-
-class Tracker(Protocol):
-    """What each tracker adapter provides (meshrun.metrics.trackers_hosted has the other three)."""
-
-    name: str
-
-    def log(self, values: dict[str, float], step: int) -> None: ...
-
-    def summary(self, values: dict[str, Any], step: int) -> None: ...
-
-    def flush(self) -> None: ...
-
-    def close(self) -> None: ...
-
-
-def flat_config(config: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
-    """{"train": {"steps": 20}} -> {"train.steps": 20}."""
-    flat: dict[str, Any] = {}
-    for key, value in config.items():
-        if isinstance(value, Mapping):
-            flat.update(flat_config(value, f"{prefix}{key}."))
-        else:
-            flat[f"{prefix}{key}"] = value
-    return flat
-
-
-def numeric(values: Mapping[str, Any]) -> dict[str, float]:
-    """The finite int/float values (not bools): what every tracker takes as a scalar."""
-    return {key: value for key, value in values.items()
-            if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)}
-
-
-class TrackerState:
-    """runs/<name>/trackers.json: the ids a resumed run needs to continue the same tracker runs.
-    A damaged or oversized file is ignored (new tracker runs), never a crash."""
-
-    def __init__(self, run_dir: Path) -> None:
-        self.path = run_dir / STATE_FILE
-        self.values: dict[str, str] = {}
-        try:
-            if self.path.is_file() and self.path.stat().st_size <= MAX_STATE_BYTES:
-                data = json.loads(self.path.read_text(encoding="utf-8"))
-                if isinstance(data, dict):
-                    self.values = {k: v for k, v in data.items() if isinstance(v, str)}
-        except (OSError, ValueError):
-            logger.warning("meshrun: %s is unreadable; trackers start new runs", self.path)
-
-    def get(self, key: str) -> str | None:
-        return self.values.get(key)
-
-    def put(self, key: str, value: str) -> None:
-        self.values[key] = value
-        tmp = self.path.with_name(f".{self.path.name}.tmp")
-        tmp.write_text(json.dumps(self.values, indent=1) + "\n", encoding="utf-8")
-        os.replace(tmp, self.path)
-
-
-class TensorBoardTracker:
-    """torch.utils.tensorboard's SummaryWriter in runs/<name>/tb (a resumed run adds event files)."""
-
-    name = "tensorboard"
-
-    def __init__(self, writer: Any) -> None:
-        self.writer = writer
-
-    @classmethod
-    def open(cls, run_dir: Path, state: TrackerState | None, config: dict[str, Any], run_name: str) -> TensorBoardTracker:
-        with warnings.catch_warnings():  # its import chain warns about deprecated modules
-            warnings.simplefilter("ignore")
-            from torch.utils.tensorboard import SummaryWriter
-        tracker = cls(SummaryWriter(log_dir=str(run_dir / TENSORBOARD_DIR)))
-        if config:
-            rows = "\n".join(f"| {key} | {value!r} |" for key, value in config.items())
-            tracker.writer.add_text("config", "| key | value |\n|---|---|\n" + rows)
-        return tracker
-
-    def log(self, values: dict[str, float], step: int) -> None:
-        for key, value in values.items():
-            self.writer.add_scalar(key, value, step)
-
-    def summary(self, values: dict[str, Any], step: int) -> None:
-        self.log({f"summary/{k}": v for k, v in numeric(values).items()}, step)
-        self.writer.add_text("summary", "\n".join(f"{k}: {v}" for k, v in values.items()), step)
-
-    def flush(self) -> None:
-        self.writer.flush()
-
-    def close(self) -> None:
-        self.writer.close()
-
 
 def _openers() -> dict[str, Any]:
-    from meshrun.metrics import trackers_hosted as hosted
+    from meshrun.metrics import tracker_adapters as adapters
 
-    return {"tensorboard": TensorBoardTracker.open, "mlflow": hosted.MlflowTracker.open,
-            "wandb": hosted.WandbTracker.open, "trackio": hosted.TrackioTracker.open}
+    return {"tensorboard": adapters.TensorBoardTracker.open, "mlflow": adapters.MlflowTracker.open,
+            "wandb": adapters.WandbTracker.open, "trackio": adapters.TrackioTracker.open}
 
 
 class TrackerSet:

@@ -56,6 +56,8 @@ def build_model(
     function builds the model (called as ``fn(model_cfg, vocab_size)`` or ``fn()``, by its
     signature); otherwise the built-in ``Transformer`` of the named size, initialised with
     ``init_weights(seed)``. Build under ``with torch.device("meta"):`` to defer allocation.
+    ``model.init_from`` is not read here: the weights are checkpoint/export.py's to load
+    (``load_consolidated``), as the trainer does.
     """
     factory = getattr(model_cfg, "factory", None)
     hf = getattr(model_cfg, "hf", "")
@@ -72,11 +74,6 @@ def build_model(
             )
     else:
         model = Transformer(model_args_from_config(model_cfg, vocab_size), seed=seed)
-    init_from = getattr(model_cfg, "init_from", "")
-    if init_from and not any(p.is_meta for p in model.parameters()):
-        from meshrun.checkpoint.export import load_consolidated
-
-        load_consolidated(model, init_from)  # a file from `meshrun ckpt export` or a torch state_dict
     return model
 
 

@@ -3,7 +3,8 @@
 A Hugging Face model directory holds `config.json` and `*.safetensors` (one file, or shards with
 `model.safetensors.index.json`). Config validation and `meshrun plan` read it here, without
 torch or transformers, so a wrong directory or an unsupported architecture is one line and exit 2
-before any process starts. Pure Python.
+before any process starts (train/preflight.py). Pure Python. The [model] keys that contradict
+model.hf are refused by the section itself (config/sections.py).
 """
 
 from __future__ import annotations
@@ -22,11 +23,6 @@ SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
 lm_head; rotary positions; a `base_model_tp_plan` of colwise/rowwise): the adapter drives their
 decoder layers as they are. Others (mixture of experts, sliding-window mixes, encoder-decoders,
 vision towers) have other block inputs or other parallel plans, and are refused."""
-
-# [model] keys that describe the built-in decoder: the HF config.json says all of these.
-SIZE_KEYS = ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden", "max_seq_len",
-             "tie_embeddings", "rope_theta", "norm_eps")
-
 
 def read_hf_config(path: str) -> dict[str, Any]:
     """config.json of the HF directory `path`, checked: a directory, readable JSON, a supported
@@ -58,25 +54,6 @@ def read_hf_config(path: str) -> dict[str, Any]:
         raise ConfigError(f"{where} has no *.safetensors weights; save the model with "
                           "save_pretrained(DIR) (safe_serialization, the default)")
     return config
-
-
-def check_hf_section(model: Any) -> None:
-    """model.hf against the other [model] keys: the directory gives the architecture and the
-    weights, so factory, init_from and the size keys would contradict it."""
-    if not model.hf:
-        return
-    if model.factory:
-        raise ConfigError(f"model.hf={model.hf!r} and model.factory={model.factory!r} both build the model; "
-                          "set one of them")
-    if model.init_from:
-        raise ConfigError(f"model.hf={model.hf!r} loads its own weights, so model.init_from="
-                          f"{model.init_from!r} would overwrite them; drop model.init_from")
-    for key in SIZE_KEYS:
-        value = getattr(model, key)
-        if value not in (0, None, "") and value is not False:
-            raise ConfigError(f"model.{key}={value!r} cannot change the shape of model.hf={model.hf!r} "
-                              f"(its {CONFIG_FILE} says it); drop model.{key}")
-    read_hf_config(model.hf)
 
 
 def model_args_from_hf(path: str, vocab_size: int | None = None) -> ModelArgs:

@@ -121,6 +121,9 @@ class Transformer(nn.Module):
     ``init_weights`` (None: drawn from torch's default generator).
     """
 
+    # One inductor graph can hold the whole model (meshrun.parallel.compile.whole_model_allows asks).
+    compiles_whole = True
+
     def __init__(self, args: ModelArgs, *, seed: int | None = None):
         super().__init__()
         self.args = args

@@ -118,10 +118,10 @@ def apply_compile(model: Any, setting: bool | None, *, backend: str = "inductor"
 
 
 def whole_model_allows(model: Any) -> bool:
-    """Whether one graph can hold the whole model: meshrun's own Transformer (Hugging Face
-    models keep per-block graphs: their top level is not checked to trace whole), plain tensors
-    (no FSDP/TP DTensors, whose hooks and collectives stay outside compiled blocks) and a whole
-    model, not a pipeline stage.
+    """Whether one graph can hold the whole model: the model says it can (`compiles_whole = True`,
+    as meshrun's own Transformer does; Hugging Face models keep per-block graphs: their top level
+    is not checked to trace whole), its tensors are plain (no FSDP/TP DTensors, whose hooks and
+    collectives stay outside compiled blocks) and it is a whole model, not a pipeline stage.
 
     One graph cuts the per-block calls and lets inductor fuse the embedding, the last norm and
     the head with their neighbours (benchmarks/compile_speedup.py: "whole" against "blocks").
@@ -129,9 +129,7 @@ def whole_model_allows(model: Any) -> bool:
     """
     from torch.distributed.tensor import DTensor
 
-    from meshrun.models.llama import Transformer
-
-    if not isinstance(model, Transformer) or any(isinstance(p, DTensor) for p in model.parameters()):
+    if getattr(type(model), "compiles_whole", False) is not True or any(isinstance(p, DTensor) for p in model.parameters()):
         return False
     return all(getattr(model, part, None) is not None for part in ("tok_embeddings", "norm", "output"))
 

@@ -1,10 +1,9 @@
-"""From the `[parallel]` section to what the trainer holds: model parts that step and evaluate.
+"""From the `[parallel]` section to what the trainer holds: this rank's model parts, and where they sit.
 
     resolved = resolve_layout(ParallelOptions.from_config(cfg), env.world_size, ModelShape.from_model(model))
     layout = build_layout(model, resolved, device=env.device, seed=cfg.train.seed)  # model built on "meta"
     optimizers = [build_optimizer(part, cfg.optim) for part in layout.parts]
-    loss, grad_norm, seconds = layout.step(optimizers, batches, grad_accum=..., dtype=..., ...)
-    eval_loss = layout.evaluate(val_batches, steps=..., dtype=...)   # averaged over the ranks
+    loss, grad_norm, seconds = layout_step(layout, optimizers, batches, ...)   # meshrun.train.step
 
 `model` may live on the meta device: the layout splits it into pipeline stages, applies tp,
 activation checkpointing and fsdp to each, then materialises every part on `device` with
@@ -18,7 +17,6 @@ one DeviceMesh: `parallelize_nd`, or `parallelize_pipeline` when pp > 1.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -35,21 +33,13 @@ from meshrun.parallel.parallelize import (
     parallelize_pipeline,
     unwrap_model,
 )
-from meshrun.parallel.resolve import Layout, torch_dtype
-from meshrun.train.step import (
-    evaluate,
-    evaluate_pp,
-    mean_loss_across_ranks,
-    train_step,
-    train_step_pp,
-)
-
-Batches = Iterator[tuple[torch.Tensor, torch.Tensor]]
+from meshrun.parallel.resolve import ResolvedLayout, torch_dtype
 
 
 @dataclass
 class BuiltLayout:
-    """This rank's share of the model, where it sits among the ranks, and how it steps."""
+    """This rank's share of the model and where it sits among the ranks: a record; the step and
+    evaluation functions that take it are meshrun.train.step's."""
 
     parts: list[nn.Module]
     dp_rank: int
@@ -73,34 +63,6 @@ class BuiltLayout:
     def train(self) -> None:
         for part in self.parts:
             part.train()
-
-    def step(self, optimizers: list[torch.optim.Optimizer], batches: Batches, *, grad_accum: int,
-             dtype: str, grad_clip: float, need_grad_norm: bool = True,
-             scaler=None) -> tuple[torch.Tensor, torch.Tensor, float]:
-        """One optimizer step over `grad_accum` micro-batches: (this rank's loss, grad norm, seconds).
-
-        The loss is not yet averaged over the ranks (`mean_loss`, a collective, does that).
-        `scaler`: fp16's LossScaler (meshrun.train.precision); pipelines refuse fp16 (rules)."""
-        common = dict(grad_accum=grad_accum, device=self.device, dtype=dtype, grad_clip=grad_clip,
-                      need_grad_norm=need_grad_norm)
-        if self.pipeline is not None:
-            assert scaler is None, "fp16 under pp is refused by meshrun.parallel.rules.check_precision"
-            return train_step_pp(self.pipeline, optimizers, batches, pp_group=self.pp_group, **common)
-        return train_step(self.parts[0], optimizers[0], batches, loss_parallel=self.loss_parallel,
-                          scaler=scaler, **common)
-
-    def evaluate(self, batches, *, steps: int, dtype: str) -> float:
-        """Mean held-out loss over up to `steps` batches, averaged over the ranks (every rank calls it)."""
-        if self.pipeline is not None:
-            local = evaluate_pp(self.pipeline, batches, steps=steps, device=self.device, dtype=dtype)
-        else:
-            local = evaluate(self.parts[0], batches, steps=steps, device=self.device, dtype=dtype,
-                             loss_parallel=self.loss_parallel)
-        return self.mean_loss(local)
-
-    def mean_loss(self, local: torch.Tensor) -> float:
-        """This step's loss averaged over the data-parallel ranks: one all-reduce, on every rank."""
-        return mean_loss_across_ranks(local, self.world_size, self.pp)
 
     def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         """Copy full (unsharded) tensors keyed by the original names into this rank's parts.
@@ -182,7 +144,7 @@ def materialize(module: nn.Module, device: torch.device, seed: int | None) -> No
     inner.init_weights(seed)
 
 
-def build_layout(model: nn.Module, layout: Layout, *, device: torch.device,
+def build_layout(model: nn.Module, layout: ResolvedLayout, *, device: torch.device,
                  seed: int | None = None, compile: bool | None = False) -> BuiltLayout:
     """Split, shard and wrap `model` as the resolved `layout` says, materialising meta parts with `seed`.
 

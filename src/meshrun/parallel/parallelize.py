@@ -106,7 +106,7 @@ def parallelize_pipeline(model: nn.Module, dims: ParallelDims, mesh, plan, *, de
                          grad_accum: int = 1, **options) -> Pipeline:
     """pp split -> (tp -> activation checkpointing -> fsdp -> materialize -> ddp) on each stage -> the schedule.
 
-    `plan` is a `PipelinePlan` (`plan_pipeline`); `options` are `parallelize_nd`'s keywords.
+    `plan` is a `ResolvedPipeline` (`resolve_pipeline`); `options` are `parallelize_nd`'s keywords.
     Sequence and loss parallel are refused: they make a stage's output a DTensor, which the
     pipeline's point-to-point sends do not carry.
     """

@@ -31,8 +31,8 @@ from meshrun.errors import ConfigError
 from meshrun.parallel.rules import check_tied_pipeline
 from meshrun.parallel.rules_pp import (
     SCHEDULES,
-    PipelinePlan,
-    plan_pipeline,  # noqa: F401 (re-exported; meshrun.parallel.rules_pp owns the pipeline rules)
+    ResolvedPipeline,
+    resolve_pipeline,  # noqa: F401 (re-exported; meshrun.parallel.rules_pp owns the pipeline rules)
     split_layers,  # noqa: F401
 )
 
@@ -84,7 +84,7 @@ class Pipeline:
     schedule: object
     stages: list
     parts: list[nn.Module]
-    plan: PipelinePlan
+    plan: ResolvedPipeline
     grad_accum: int = 1
 
     @property
@@ -110,7 +110,7 @@ class Pipeline:
         return torch.stack([loss.detach().float() for loss in losses]).sum()  # each is 1/n of the mean
 
 
-def build_pipeline(model: nn.Module, plan: PipelinePlan, pp_mesh, *, device: torch.device,
+def build_pipeline(model: nn.Module, plan: ResolvedPipeline, pp_mesh, *, device: torch.device,
                    parallelize_part, grad_accum: int = 1) -> Pipeline:
     """Split `model` as `plan` says (it is cut down in place: this rank's last stage), parallelize
     each stage (`parallelize_part(module)` does tp -> AC -> fsdp -> materialise -> ddp), wrap them

@@ -1,4 +1,4 @@
-"""The one layout resolver: typed `ParallelOptions` + world size -> a checked `Layout`.
+"""The one layout resolver: typed `ParallelOptions` + world size -> a checked `ResolvedLayout`.
 
     from meshrun.parallel.resolve import ParallelOptions, ModelShape, resolve_layout
     layout = resolve_layout(ParallelOptions(strategy="fsdp", tp=2), world_size=4,
@@ -21,14 +21,14 @@ from typing import TYPE_CHECKING, Any
 from meshrun.parallel import rules, rules_pp
 from meshrun.parallel.dims import ParallelDims
 from meshrun.parallel.rules import DEGREES, DTYPE_NAMES, STRATEGIES
-from meshrun.parallel.rules_pp import SCHEDULES, PipelinePlan
+from meshrun.parallel.rules_pp import SCHEDULES, ResolvedPipeline
 
 if TYPE_CHECKING:  # no meshrun.config import, not even here: config imports this module
     import torch
 
 __all__ = [
-    "DTYPE_NAMES", "SCHEDULES", "STRATEGIES", "Layout", "ModelShape", "ParallelOptions",
-    "PipelinePlan", "check_options", "resolve_layout", "stated_degrees", "torch_dtype",
+    "DTYPE_NAMES", "SCHEDULES", "STRATEGIES", "ResolvedLayout", "ModelShape", "ParallelOptions",
+    "ResolvedPipeline", "check_options", "resolve_layout", "stated_degrees", "torch_dtype",
 ]
 
 TRAIN_KEYS = ("batch_size", "grad_accum", "dtype", "activation_checkpointing")
@@ -119,7 +119,7 @@ class ModelShape:
 
 
 @dataclass(frozen=True)
-class Layout:
+class ResolvedLayout:
     """A checked layout for `world_size` ranks: what the build applies and what plans print."""
 
     options: ParallelOptions
@@ -128,7 +128,7 @@ class Layout:
     """Degrees with -1 inferred and the strategy's default applied."""
     use_mesh: bool
     """False only for plain DDP (strategy 'ddp', pp 1): no DeviceMesh, one process group."""
-    pipeline: PipelinePlan | None
+    pipeline: ResolvedPipeline | None
     """The checked pipeline plan when pp > 1, else None."""
     param_dtype: str
     """FSDP compute dtype of parameters ('fp32' / 'bf16'), 'auto' resolved to train.dtype."""
@@ -186,7 +186,7 @@ def check_options(options: ParallelOptions) -> None:
     rules.check_precision(o.dtype, o.pp, o.param_dtype)
 
 
-def resolve_layout(options: ParallelOptions, world_size: int, model: ModelShape | None = None) -> Layout:
+def resolve_layout(options: ParallelOptions, world_size: int, model: ModelShape | None = None) -> ResolvedLayout:
     """The layout `options` give on `world_size` ranks, or one ConfigError naming the keys and
     the fix. `model` adds the shape rules (heads vs tp, blocks vs stages, tied embeddings) and
     the pipeline's block split; without it those are left to a later call with the model."""
@@ -200,11 +200,11 @@ def resolve_layout(options: ParallelOptions, world_size: int, model: ModelShape 
                             tie_embeddings=shape.tie_embeddings)
     pipeline = None
     if dims.pp > 1:
-        pipeline = rules_pp.plan_pipeline(
+        pipeline = rules_pp.resolve_pipeline(
             pp=dims.pp, schedule=options.pp_schedule, stages_per_rank=options.pp_stages_per_rank,
             split_points=options.pp_split_points, n_layers=shape.n_layers,
             batch_size=options.batch_size, microbatches=options.pp_microbatches,
             dp_size=dims.dp_size, world_size=world_size)
     param = options.dtype if options.param_dtype == "auto" else options.param_dtype
-    return Layout(options, world_size, dims, use_mesh=not (options.strategy == "ddp" and dims.pp == 1),
+    return ResolvedLayout(options, world_size, dims, use_mesh=not (options.strategy == "ddp" and dims.pp == 1),
                   pipeline=pipeline, param_dtype=param, reduce_dtype=options.reduce_dtype)

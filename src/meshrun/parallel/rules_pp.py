@@ -1,4 +1,4 @@
-"""The pipeline plan's rules: schedules, stages per rank, micro-batches and split points.
+"""A pipeline's rules and its resolved value: schedules, stages per rank, micro-batches, split points.
 
 Pure Python, no torch, like `meshrun.parallel.rules` (whose helpers and stage checks it uses);
 the schedules themselves, and the papers they come from, are `meshrun.parallel.pipeline`'s.
@@ -6,9 +6,28 @@ the schedules themselves, and the papers they come from, are `meshrun.parallel.p
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from meshrun.errors import ConfigError
-from meshrun.parallel.pipeline_plan import PipelinePlan
 from meshrun.parallel.rules import _listing, check_choice, check_stages, divisors
+
+
+@dataclass(frozen=True)
+class ResolvedPipeline:
+    """What a pipeline layout is, resolved and checked before any process group exists."""
+
+    schedule: str
+    num_stages: int
+    stages_per_rank: int
+    microbatches: int
+    layers: list[list[str]]
+    """Block names (keys of model.layers) per stage, in stage order; [] when planned without
+    the model's depth (checks only: resolve again with the model to build)."""
+
+    def stage_ids(self, pp_rank: int, pp: int) -> list[int]:
+        """The stages this pipeline rank holds, in the order the schedule wants them."""
+        return [pp_rank + k * pp for k in range(self.stages_per_rank)]
+
 
 # meshrun name -> (torch class name for get_schedule_class, several stages per rank).
 # Left out, measured on torch 2.13 / gloo: ZBVZeroBubble trains right without data parallel but
@@ -34,9 +53,9 @@ def default_stages_per_rank(schedule: str, requested: int = 0) -> int:
     return requested or (2 if SCHEDULES[schedule][1] else 1)
 
 
-def plan_pipeline(*, pp: int, schedule: str, stages_per_rank: int, split_points: str,
+def resolve_pipeline(*, pp: int, schedule: str, stages_per_rank: int, split_points: str,
                   n_layers: int | None, batch_size: int, microbatches: int, dp_size: int = 1,
-                  world_size: int | None = None) -> PipelinePlan:
+                  world_size: int | None = None) -> ResolvedPipeline:
     """Resolve and check a pipeline layout; every problem is one ConfigError naming the key.
 
     stages_per_rank 0 = 1 for single-stage schedules, 2 for the others. split_points '' =
@@ -72,7 +91,7 @@ def plan_pipeline(*, pp: int, schedule: str, stages_per_rank: int, split_points:
     if schedule in ("interleaved_1f1b", "interleaved_zero_bubble") and n_micro % rounds:
         raise ConfigError(f"parallel.pp_microbatches={n_micro} must be a multiple of parallel.pp={pp} "
                           f"(or at most {pp}) for {schedule!r}")
-    return PipelinePlan(schedule, num_stages, per_rank, n_micro, layers)
+    return ResolvedPipeline(schedule, num_stages, per_rank, n_micro, layers)
 
 
 def split_layers(n_layers: int, num_stages: int, split_points: str = "") -> list[list[str]]:

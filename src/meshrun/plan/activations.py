@@ -143,7 +143,7 @@ def activation_bytes(args: ModelArgs, dims: ParallelDims, *, batch_size: int, se
     per_rank = default_stages_per_rank(pp_schedule, pp_stages_per_rank)
     num_stages = dims.pp * per_rank
     micro = pp_microbatches or (num_stages if dims.pp > 1 else 1)
-    if batch_size % micro:  # the run itself refuses this (plan_pipeline); count the whole batch
+    if batch_size % micro:  # the run itself refuses this (resolve_pipeline); count the whole batch
         micro = 1
     tokens = batch_size // micro * seq_len
     blocks = [0] * num_stages

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from meshrun.debug.progress import Progress
+from meshrun.debug.heartbeat import Heartbeat
 
 if TYPE_CHECKING:
     import torch
@@ -58,7 +58,7 @@ class Runtime:
         self.failed = False  # an uncaught exception: shutdown skips the barrier
         self.exiting = False  # the interpreter is running its atexit handlers
         self.generation = 0  # shutdown barriers done, for unique store keys
-        self.progress = Progress()  # what the hang watchdog reads
+        self.heartbeat = Heartbeat()  # what the hang watchdog reads
         self.debug: DebugHooks | None = None  # watchdog / --debug collectives, when the launcher asked
         self.undo: list[Any] = []  # callables that take back what init() installed, newest last
 
@@ -125,4 +125,4 @@ def heartbeat() -> None:
     """Tell the hang watchdog this rank made progress (a step, a batch, a phase); cheap, call often."""
     runtime = _runtime
     if runtime is not None:
-        runtime.progress.count += 1
+        runtime.heartbeat.count += 1

@@ -105,7 +105,7 @@ def _init(
 def _check_world(world_size: int, min_world_size: int, *, launched: bool) -> None:
     if world_size >= min_world_size:
         return
-    from meshrun.launch.plain_python import launch_command
+    from meshrun.runtime.plain_python import launch_command
 
     how = "with plain python" if not launched else f"with {world_size} process(es)"
     raise WorldSizeError(
@@ -121,7 +121,7 @@ def _create_group(backend: str, dev: torch.device, timeout: timedelta | None, la
         with rank0_store(launch):
             dist.init_process_group(backend, timeout=timeout, device_id=device_id)
         return
-    from meshrun.launch.plain_python import launch_command
+    from meshrun.runtime.plain_python import launch_command
 
     print(
         "meshrun: no launcher environment (RANK/WORLD_SIZE unset); running as a single process. "
@@ -142,7 +142,7 @@ def _install_process_hooks(runtime: Runtime) -> None:
             runtime.failed = True
         previous_hook(exc_type, exc, tb)
         if active[0] and not runtime.launched and "meshrun.cli" not in sys.modules:
-            from meshrun.launch.plain_python import plain_python_hint
+            from meshrun.runtime.plain_python import plain_python_hint
 
             line = plain_python_hint(exc)  # e.g. os.environ["LOCAL_RANK"]: the launch command
             if line:
@@ -216,7 +216,7 @@ def _barrier_before_teardown(runtime: Runtime, timeout: float) -> None:
 
     runtime.generation += 1
     # Shared by every rank of this rendezvous round: the store's port (each round gets a fresh
-    # store, launch/plan.py RELIABLE_RESTARTS). Not TORCHELASTIC_RESTART_COUNT, which differs
+    # store, launch/spec.py RELIABLE_RESTARTS). Not TORCHELASTIC_RESTART_COUNT, which differs
     # between nodes once a lost host is replaced (the survivor's count is 1, the new node's 0),
     # so each waited out the whole timeout.
     key = "meshrun/shutdown/{}/{}:{}/{}".format(

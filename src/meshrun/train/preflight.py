@@ -1,20 +1,77 @@
-"""Checks `meshrun train` runs before starting any worker, so bad input costs one line, not N tracebacks."""
+"""Every check `meshrun train` makes before a worker starts, in the order a user's mistakes are found.
+
+cli/train.py reads the command line: its flags, the config file and each key's type and range
+(meshrun.config), `--resume STEP` and `--profile`, and every launch option (launch/checks.py).
+Then this module, in this order; the first problem is one MeshrunError line naming the key, the
+value and the fix (exit 2):
+
+  check_before_torch   no torch, creates nothing: a fraction of a second (benchmarks/reject_time.py)
+    1. train.run_dir (and train.name) can be created
+    2. the files the config names exist: data.path, model.init_from, data.tokenizer
+    3. each [metrics] tracker's extra is installed
+    4. model.hf: a directory with a readable, supported config.json, and data.seq_len within it
+    5. model.factory names a module that can be found (not run) outside the standard library
+    6. the model fits this node's memory by `meshrun plan`'s estimate
+    7. [fault] mode = "torchft": its layout rules, dtype, one host, and its extra
+  check_with_torch     torch imported, still no process group
+    8. --nproc-per-node resolves to a count
+    9. the tokenizer loads; data.path reads and holds enough tokens for a train and an eval sample
+   10. model.factory runs and returns a torch.nn.Module (on the meta device when it can)
+   11. the whole layout for this world (parallel/resolve.py), and model.hf's TP plan
+   12. train.compile = true has a C++ compiler and a layout it can compile
+   13. --resume PATH and model.init_from fit this model's names and shapes (built on meta)
+
+After them cli/train.py checks the log directory and takes the run directory's lock.
+"""
 
 from __future__ import annotations
 
 import contextlib
+import importlib.machinery
+import importlib.util
+import os
+import sys
 from collections.abc import Iterator
 
 from meshrun.config import JobConfig
-from meshrun.errors import MeshrunError
-from meshrun.parallel.compile import check_compiler, layout_allows
-from meshrun.parallel.resolve import ModelShape, ParallelOptions, check_options, resolve_layout
+from meshrun.config.base import fmt
+from meshrun.config.fault_section import TORCHFT, is_torchft
+from meshrun.config.trackers import check_trackers_installed
+from meshrun.errors import ConfigError, MeshrunError
+from meshrun.extras import missing_extra_message
+from meshrun.launch.args import fixed_world_size, parse_nnodes, resolve_nproc_per_node
+from meshrun.runtime.device import auto_nproc_per_node
+from meshrun.writable import check_creatable_dir
+
+GIB = 2**30
+# A GPU's memory is not known without torch: count each /dev/nvidiaN as the largest GPU made,
+# so that only a model no machine of this size could hold is refused here.
+GPU_MEMORY_BOUND = 288 * GIB
+PLANNER_MAX_LAYERS = 4096  # deeper models: the closed-form lower bound only (the planner loops per block)
+SIZE_KEYS = ("name", "vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden", "max_seq_len")
 
 
-def preflight(cfg: JobConfig, *, nproc_per_node: str, nnodes: str = "1") -> None:
-    """Raise a one-line MeshrunError for what would otherwise fail on every rank."""
+def check_before_torch(cfg: JobConfig, *, nproc_per_node: str = "auto", nnodes: str = "1") -> None:
+    """Checks 1-7 (see the module doc): what needs the machine but not torch."""
+    fix = "set train.run_dir to a directory you can write (e.g. --set train.run_dir=runs)"
+    check_creatable_dir(cfg.train.run_dir, "train.run_dir", fix=fix)
+    if cfg.train.name:
+        check_creatable_dir(os.path.join(cfg.train.run_dir, cfg.train.name), "train.run_dir/train.name",
+                            fix="choose a shorter train.name")
+    _check_files(cfg)
+    check_trackers_installed(cfg.metrics.tracker_names)  # a missing extra: one line before any worker
+    if cfg.model.hf:
+        check_hf_dir(cfg)
+    if cfg.model.factory:
+        check_factory_module(cfg.model.factory)
+    else:
+        check_memory(cfg, nproc_per_node=nproc_per_node, nnodes=nnodes)
+    check_fault(cfg, nnodes=nnodes)
+
+
+def check_with_torch(cfg: JobConfig, *, nproc_per_node: str, nnodes: str = "1") -> None:
+    """Checks 8-13 (see the module doc): what would otherwise fail on every rank."""
     from meshrun.data.tokenizer import load_tokenizer
-    from meshrun.launch.args import resolve_nproc_per_node
 
     resolve_nproc_per_node(str(nproc_per_node))  # 0 or garbage: a LaunchError naming the flag
     with _naming("data.tokenizer", cfg.data.tokenizer):
@@ -30,8 +87,168 @@ def preflight(cfg: JobConfig, *, nproc_per_node: str, nnodes: str = "1") -> None
         check_factory_builds(cfg, tokenizer.vocab_size)
     _check_layout(cfg, tokenizer.vocab_size, nproc_per_node, nnodes)
     if cfg.train.compile:  # true without a C++ compiler or in a layout it breaks: one line here ("auto" warns on the workers)
+        from meshrun.parallel.compile import check_compiler, layout_allows
+
         check_compiler(True)
         layout_allows(True, cfg.parallel.tp, cfg.parallel.sequence_parallel)
+    _check_checkpoints(cfg, tokenizer.vocab_size)
+
+
+def _check_checkpoints(cfg: JobConfig, vocab_size: int) -> None:
+    """--resume PATH and model.init_from against this model's names and shapes, built on the meta
+    device by the checks (shapes only; init_from is not loaded)."""
+    from meshrun.checkpoint.export import check_init_from
+    from meshrun.checkpoint.verify import check_resume
+    from meshrun.models.factory import build_model
+
+    def model_to_check():
+        return build_model(cfg.model, vocab_size, seed=0)
+
+    check_resume(cfg.checkpoint.resume, model_to_check)
+    check_init_from(cfg.model.init_from, model_to_check)
+
+
+def check_hf_dir(cfg: JobConfig) -> None:
+    """model.hf: its config.json, architecture and weights (models/hf_config.py), and data.seq_len
+    within its max_position_embeddings (its RoPE tables and masks end there)."""
+    from meshrun.models.hf_config import read_hf_config
+
+    limit = read_hf_config(cfg.model.hf).get("max_position_embeddings")
+    if limit and cfg.data.seq_len > int(limit):
+        raise ConfigError(f"data.seq_len={cfg.data.seq_len} is longer than model.hf={cfg.model.hf!r} allows "
+                          f"(max_position_embeddings={int(limit)}); set data.seq_len to {int(limit)} or less")
+
+
+def check_fault(cfg: JobConfig, *, nnodes: str = "1") -> None:
+    """One ConfigError line for a torchft job that cannot run as configured; exact mode passes."""
+    if not is_torchft(cfg):
+        return
+    mode = "fault.mode = 'torchft'"
+    from meshrun.parallel.rules import check_replica_groups
+
+    check_replica_groups(mode, cfg.parallel.strategy, cfg.parallel.tp, cfg.parallel.pp)
+    if cfg.train.dtype == "fp16":
+        raise ConfigError(f"{mode} does not take train.dtype = 'fp16' (a group's skipped overflow steps "
+                          "would not match its peers'); use 'bf16' or 'fp32', or fault.mode = 'exact'")
+    if nnodes.split(":")[-1] != "1":
+        raise ConfigError(f"{mode} runs its replica groups on one host for now, got --nnodes {nnodes}; "
+                          "use --nnodes 1, or fault.mode = 'exact'")
+    if importlib.util.find_spec(TORCHFT) is None:
+        raise ConfigError(missing_extra_message(TORCHFT, mode))
+
+
+
+def _check_files(cfg: JobConfig) -> None:
+    for key, path, kind in (("data.path", cfg.data.path, "a token directory or a .txt file"),
+                            ("model.init_from", cfg.model.init_from, "a weights file"),
+                            ("data.tokenizer", "" if cfg.data.tokenizer == "byte" else cfg.data.tokenizer,
+                             "'byte', a tokenizer directory or a tokenizer.json file")):
+        if path and not os.path.exists(path):
+            raise ConfigError(f"{key}={fmt(path)} not found; give {kind} (relative to {os.getcwd()})")
+
+
+def check_factory_module(spec: str) -> None:
+    """`model.factory` names a module that can be found (not run) and is not the standard library."""
+    module, _, _ = spec.partition(":")
+    top = module.split(".")[0]
+    where = f"model.factory={fmt(spec)}"
+    if top in sys.stdlib_module_names or top in sys.builtin_module_names:
+        raise ConfigError(f"{where}: {top!r} is Python's standard library, not a model; point it at your "
+                          f"function that returns a torch.nn.Module, e.g. model.factory='mymodels:build'")
+    try:
+        found = importlib.util.find_spec(module)
+    except (ImportError, ValueError):
+        found = None
+    except Exception as exc:  # noqa: BLE001 - a parent package failed while importing
+        raise ConfigError(f"{where}: cannot import {module!r} ({type(exc).__name__}: {exc})") from None
+    if found is None and "." not in module:  # models/factory.py retries with the working directory
+        found = importlib.machinery.PathFinder.find_spec(module, [os.getcwd()])
+    if found is None:
+        raise ConfigError(f"{where}: no module {module!r} on the Python path; check the spelling, "
+                          f"or run from the directory that holds it (e.g. mymodels.py:build -> 'mymodels:build')")
+
+
+def check_memory(cfg: JobConfig, *, nproc_per_node: str, nnodes: str) -> None:
+    """Refuse a model whose training state cannot fit this node by the planner's estimate."""
+    from meshrun.models.from_config import model_args_from_config
+
+    try:
+        args = model_args_from_config(cfg.model, _vocab_size(cfg))
+    except MeshrunError as exc:
+        raise ConfigError(str(exc)) from None
+    local, world = _ranks(nproc_per_node, nnodes)
+    available = machine_memory()
+    # Lower bound for any layout: params + grads + AdamW's two moments (16 bytes each), spread
+    # over every rank of the job, this node holding its share.
+    lower = 16 * args.num_params() * local // world
+    need, how = lower, f"at least {_gib(lower)} of weights, gradients and AdamW state"
+    if lower <= available and args.n_layers <= PLANNER_MAX_LAYERS:
+        per_rank = _planner_estimate(cfg, args, world)
+        if per_rank is not None:
+            need = per_rank * local
+            how = f"{_gib(need)} ({local} rank(s) x {_gib(per_rank)} by `meshrun plan`'s estimate)"
+    if need > available:
+        sizes = [f"model.{k}={fmt(getattr(cfg.model, k))}" for k in SIZE_KEYS
+                 if getattr(cfg.model, k) not in (0, "") and (k != "name" or cfg.model.name != "tiny")]
+        shown = ", ".join((sizes or [f"model.name={fmt(cfg.model.name)}"])
+                          + [f"train.batch_size={cfg.train.batch_size}", f"data.seq_len={cfg.data.seq_len}"])
+        raise ConfigError(f"{shown}: training needs {how} on this node, more than its {_gib(available)}; "
+                          f"use a smaller model (e.g. model.name='tiny'), batch or sequence, fewer ranks per node or more nodes")
+
+
+def _vocab_size(cfg: JobConfig) -> int | None:
+    """A lower bound of the vocabulary without loading the tokenizer (meshrun.data imports torch):
+    the config's own, else a byte tokenizer's 256 (a tokenizer.json has more). The real check of
+    the two is the preflight's, once torch is loaded."""
+    return None if cfg.model.vocab_size else 256
+
+
+def _ranks(nproc_per_node: str, nnodes: str) -> tuple[int, int]:
+    """(ranks on this node, ranks in the job) as far as known without torch."""
+    text = str(nproc_per_node).strip()
+    local = int(text) if text.isdigit() else auto_nproc_per_node(import_torch=False)
+    return local, local * parse_nnodes(nnodes)[1]
+
+
+def _planner_estimate(cfg: JobConfig, args, world: int) -> int | None:
+    """Per-rank bytes of the config's layout (meshrun.plan.estimate); None when the layout is
+    not decided yet (the layout check says why, later)."""
+    from meshrun.parallel.resolve import ModelShape, ParallelOptions, resolve_layout
+    from meshrun.plan.memory import estimate
+
+    try:
+        layout = resolve_layout(ParallelOptions.from_config(cfg), world, ModelShape.from_args(args))
+    except MeshrunError:
+        return None
+    extra = {}
+    if layout.pipeline is not None:
+        extra = {"pp_schedule": layout.pipeline.schedule, "pp_microbatches": layout.pipeline.microbatches,
+                 "pp_stages_per_rank": layout.pipeline.stages_per_rank}
+    try:
+        est = estimate(args, layout.dims, batch_size=cfg.train.batch_size, seq_len=cfg.data.seq_len,
+                       dtype=cfg.train.dtype, activation_checkpointing=cfg.train.activation_checkpointing,
+                       sequence_parallel=cfg.parallel.sequence_parallel,
+                       loss_parallel=cfg.parallel.loss_parallel, **extra)
+    except MeshrunError:
+        return None
+    return est.total
+
+
+def machine_memory() -> int:
+    """Bytes this node could hold: RAM, plus a generous bound per GPU device (see GPU_MEMORY_BOUND)."""
+    try:
+        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return sys.maxsize
+    try:
+        gpus = len([d for d in os.listdir("/dev") if d.startswith("nvidia") and d[6:].isdigit()])
+    except OSError:
+        gpus = 0
+    return ram + gpus * GPU_MEMORY_BOUND
+
+
+def _gib(n: int) -> str:
+    return f"{n / GIB:,.1f} GiB" if n < 10**6 * GIB else f"{n / GIB:.3g} GiB"
 
 
 @contextlib.contextmanager
@@ -52,7 +269,7 @@ def _naming(key: str, value: str) -> Iterator[None]:
 def check_factory_builds(cfg: JobConfig, vocab_size: int) -> None:
     """`model.factory` imports and returns a torch.nn.Module, built as the workers will build it
     (on the meta device when it can be, so no weights are allocated), before any worker starts.
-    The module was found without running it (config/validate.py); here its code runs, once."""
+    The module was found without running it (check_factory_module); here its code runs, once."""
     import dataclasses
 
     from meshrun.errors import ModelError
@@ -82,7 +299,7 @@ def check_factory_builds(cfg: JobConfig, vocab_size: int) -> None:
 def _check_layout(cfg: JobConfig, vocab_size: int, nproc_per_node: str, nnodes: str) -> None:
     """The whole layout (`resolve_layout`) for the world these launch options give, before any
     process group exists; with no fixed world, the rules that need none."""
-    from meshrun.launch.args import resolve_nproc_per_node
+    from meshrun.parallel.resolve import ModelShape, ParallelOptions, check_options, resolve_layout
 
     options = ParallelOptions.from_config(cfg)
     world = fixed_world_size(resolve_nproc_per_node(str(nproc_per_node)), str(nnodes))
@@ -99,15 +316,3 @@ def _check_layout(cfg: JobConfig, vocab_size: int, nproc_per_node: str, nnodes: 
         from meshrun.models.hf_config import check_hf_tp_plan
 
         check_hf_tp_plan(cfg.model.hf, options.sequence_parallel)
-
-
-def fixed_world_size(nproc_per_node: str, nnodes: str) -> int | None:
-    """nproc_per_node x nnodes when both are fixed numbers; None for 'auto', cpu/gpu counts or
-    an elastic MIN:MAX node range (the world is known only at launch)."""
-    from meshrun.launch.args import fixed_nnodes
-
-    nodes = fixed_nnodes(str(nnodes))
-    nproc = str(nproc_per_node).strip()
-    if not nproc.isdigit() or nodes is None:
-        return None
-    return int(nproc) * nodes

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from meshrun.parallel.layout import BuiltLayout
 from meshrun.parallel.parallelize import clip_grad_norm_ as clip_dtensor_grad_norm_
 from meshrun.train.precision import LossScaler, autocast_context
 
@@ -199,3 +200,38 @@ def evaluate(model: nn.Module, batches, *, steps: int, device: torch.device, dty
         count += 1
     model.train(was_training)
     return total / max(count, 1)
+
+
+Batches = Iterator[tuple[torch.Tensor, torch.Tensor]]
+
+
+def layout_step(layout: BuiltLayout, optimizers: list[torch.optim.Optimizer], batches: Batches, *,
+                grad_accum: int, dtype: str, grad_clip: float, need_grad_norm: bool = True,
+                scaler=None) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """One optimizer step of a built layout over `grad_accum` micro-batches: (this rank's loss,
+    grad norm, seconds), whatever the parallelism.
+
+    The loss is not yet averaged over the ranks (`layout_mean_loss`, a collective, does that).
+    `scaler`: fp16's LossScaler (meshrun.train.precision); pipelines refuse fp16 (parallel/rules.py)."""
+    common = dict(grad_accum=grad_accum, device=layout.device, dtype=dtype, grad_clip=grad_clip,
+                  need_grad_norm=need_grad_norm)
+    if layout.pipeline is not None:
+        assert scaler is None, "fp16 under pp is refused by meshrun.parallel.rules.check_precision"
+        return train_step_pp(layout.pipeline, optimizers, batches, pp_group=layout.pp_group, **common)
+    return train_step(layout.parts[0], optimizers[0], batches, loss_parallel=layout.loss_parallel,
+                      scaler=scaler, **common)
+
+
+def layout_evaluate(layout: BuiltLayout, batches, *, steps: int, dtype: str) -> float:
+    """Mean held-out loss over up to `steps` batches, averaged over the ranks (every rank calls it)."""
+    if layout.pipeline is not None:
+        local = evaluate_pp(layout.pipeline, batches, steps=steps, device=layout.device, dtype=dtype)
+    else:
+        local = evaluate(layout.parts[0], batches, steps=steps, device=layout.device, dtype=dtype,
+                         loss_parallel=layout.loss_parallel)
+    return layout_mean_loss(layout, local)
+
+
+def layout_mean_loss(layout: BuiltLayout, local: torch.Tensor) -> float:
+    """This step's loss averaged over the data-parallel ranks: one all-reduce, on every rank."""
+    return mean_loss_across_ranks(local, layout.world_size, layout.pp)

@@ -4,25 +4,26 @@ Reads top to bottom in the order the guide teaches: ① the runtime is initialis
 caller, ② the model is built on the meta device, split and sharded by the layout, and only this
 rank's share is materialised (`init_weights(seed)`, or `model.init_from`), ③ data with a
 resumable distributed sampler, optimizers after the weights exist, the checkpoint to resume,
-④ the loop, which asks the layout to step and evaluate whatever the parallelism. Every
+④ the loop, which steps and evaluates the built layout whatever the parallelism (train/step.py). Every
 component gets only its own config section.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 import torch
 
 from meshrun.checkpoint import Checkpointer
-from meshrun.checkpoint.runs import write_finished
+from meshrun.checkpoint.export import check_init_from, load_consolidated, read_consolidated
 from meshrun.checkpoint.state import TrainState
 from meshrun.config import JobConfig, as_dict
 from meshrun.data.loader import build_loaders
 from meshrun.data.tokenizer import load_tokenizer
-from meshrun.fault.replica import attach as attach_fault
 from meshrun.metrics.logger import MetricsLogger
 from meshrun.metrics.progress import ProgressBar
 from meshrun.metrics.system import (
@@ -36,22 +37,47 @@ from meshrun.models.factory import build_meta_model
 from meshrun.parallel.compile import CompileClock
 from meshrun.parallel.layout import BuiltLayout, build_layout, is_meta
 from meshrun.parallel.resolve import ModelShape, ParallelOptions, resolve_layout, torch_dtype
+from meshrun.rundir.runs import write_finished
 from meshrun.runtime.alloc import MemoryMarks
 from meshrun.runtime.process import DistEnv
-from meshrun.train.optimizers import build_optimizer
-from meshrun.train.precision import build_loss_scaler
-from meshrun.train.profile import StepProfiler, StepRange
-from meshrun.train.schedules import build_scheduler
-from meshrun.train.seed import seed_everything
-from meshrun.train.setup import (
-    check_init_from,
+from meshrun.train.derived import (
     flops_per_token,
     layout_record,
     resolved_seq_len,
     save_final_weights,
 )
+from meshrun.train.optimizers import build_optimizer
+from meshrun.train.precision import build_loss_scaler
+from meshrun.train.profile import StepProfiler, StepRange
+from meshrun.train.schedules import build_scheduler
+from meshrun.train.seed import seed_everything
+from meshrun.train.step import layout_evaluate, layout_mean_loss, layout_step
 
 logger = logging.getLogger(__name__)
+
+class StepSource(Protocol):
+    """Which steps the loop runs, and what ends each one. Exact mode: `ExactSteps`. torchft mode:
+    meshrun.fault's Replica (quorum, heal, retry of an uncommitted step), which meshrun.fault.worker
+    hands to `train` as its `steps` factory; the loop knows only this protocol."""
+
+    def steps(self, state: TrainState, total: int, metrics: MetricsLogger | None = None) -> Iterable[int]: ...
+
+    def step_done(self, checkpointer: Checkpointer, state: TrainState) -> None: ...
+
+
+class ExactSteps:
+    """Exact mode: the steps are the trainer's range; the checkpointer ends each one."""
+
+    def steps(self, state: TrainState, total: int, metrics: MetricsLogger | None = None) -> Iterable[int]:
+        return range(state.step + 1, total + 1)
+
+    def step_done(self, checkpointer: Checkpointer, state: TrainState) -> None:
+        checkpointer.step_done(state)
+
+
+# Builds the step source once the layout and the resumed state exist (it may wrap both in place).
+StepSourceFactory = Callable[[JobConfig, DistEnv, BuiltLayout, TrainState], StepSource]
+
 
 @dataclass
 class TrainResult:
@@ -78,14 +104,17 @@ class _Run:
     memory: MemoryMarks
     losses: list[tuple[int, float]] = field(default_factory=list)
     eval_losses: list[tuple[int, float]] = field(default_factory=list)
-    fault: object | None = None  # [fault] mode's steps: meshrun.fault.replica (exact or torchft)
+    steps: StepSource = field(default_factory=ExactSteps)  # which steps run, and what ends each
 
 
-def train(cfg: JobConfig, env: DistEnv, run_dir: Path, profile: StepRange | None = None) -> TrainResult:
-    """Train as `cfg` says on the current world; rank 0 writes metrics and the final weights."""
+def train(cfg: JobConfig, env: DistEnv, run_dir: Path, profile: StepRange | None = None,
+          steps: StepSourceFactory | None = None) -> TrainResult:
+    """Train as `cfg` says on the current world; rank 0 writes metrics and the final weights.
+    `steps`: the step source's factory (torchft mode's, from meshrun.fault.worker); None = exact."""
     run = _setup(cfg, env, run_dir)
     with run.checkpointer:  # its SIGTERM/SIGINT handlers are put back on every way out
-        run.fault = attach_fault(cfg, env, run.layout, run.state)  # torchft: wraps model and optimizer
+        if steps is not None:  # torchft: wraps model and optimizer
+            run.steps = steps(cfg, env, run.layout, run.state)
         return _loop(run, cfg, env, run_dir, StepProfiler(profile, run_dir, env.rank))
 
 
@@ -111,12 +140,12 @@ def _loop(run: _Run, cfg: JobConfig, env: DistEnv, run_dir: Path, profiler: Step
     layout.train()
     if state.step == 0:  # a resumed run has its step-0 eval already
         _evaluate(run, cfg, 0, metrics, progress)
-    for step in run.fault.steps(state, tcfg.steps, metrics):  # exact: range(state.step + 1, steps + 1)
+    for step in run.steps.steps(state, tcfg.steps, metrics):  # exact: range(state.step + 1, steps + 1)
         profiler.at(step)  # --profile: ends the previous step's span, starts this one's
         timer.start()
         log_now = step % cfg.metrics.interval == 0 or step == tcfg.steps
-        loss, grad_norm, compute_s = layout.step(
-            state.optimizers, state.train_loader, grad_accum=tcfg.grad_accum, dtype=tcfg.dtype,
+        loss, grad_norm, compute_s = layout_step(
+            layout, state.optimizers, state.train_loader, grad_accum=tcfg.grad_accum, dtype=tcfg.dtype,
             grad_clip=tcfg.grad_clip, need_grad_norm=log_now, scaler=state.scaler)
         lr = state.schedulers[0].get_last_lr()[0]
         for scheduler in state.schedulers:
@@ -132,7 +161,7 @@ def _loop(run: _Run, cfg: JobConfig, env: DistEnv, run_dir: Path, profiler: Step
         _log_step(run, cfg, env, step, loss, grad_norm, lr, timing, metrics, progress)
         if tcfg.eval_interval and step % tcfg.eval_interval == 0 and step != tcfg.steps:
             _evaluate(run, cfg, step, metrics, progress)
-        run.fault.step_done(run.checkpointer, state)  # checkpoint every interval steps (torchft: if committed)
+        run.steps.step_done(run.checkpointer, state)  # checkpoint every interval steps (torchft: if committed)
     profiler.close()
     run.checkpointer.finish(state)
     _evaluate(run, cfg, tcfg.steps, metrics, progress)
@@ -157,20 +186,20 @@ def _setup(cfg: JobConfig, env: DistEnv, run_dir: Path) -> _Run:
     tokenizer = load_tokenizer(cfg.data.tokenizer)
     model = build_meta_model(cfg.model, tokenizer.vocab_size, seed=tcfg.seed)
     meta = is_meta(model)
+    if cfg.model.init_from:  # names and shapes, before any weight is allocated
+        check_init_from(cfg.model.init_from, lambda built=model: built)
     if not meta:
+        if cfg.model.init_from:  # a model built eagerly: its weights now, before it is moved
+            load_consolidated(model, cfg.model.init_from)
         model = model.to(env.device)
     seq_len = resolved_seq_len(cfg, model)
     vocab = getattr(getattr(model, "args", None), "vocab_size", None)
     num_params = sum(p.numel() for p in model.parameters())
     flops_tok = flops_per_token(model, seq_len)
-    if meta and cfg.model.init_from:
-        check_init_from(model, cfg.model.init_from)
     resolved = resolve_layout(ParallelOptions.from_config(cfg), env.world_size, ModelShape.from_model(model))
     layout = build_layout(model, resolved, device=env.device, seed=tcfg.seed, compile=tcfg.compile)
     del model  # the layout holds this rank's parts now
     if meta and cfg.model.init_from:
-        from meshrun.checkpoint.export import read_consolidated
-
         layout.load_full_state_dict(read_consolidated(cfg.model.init_from))
     if cfg.model.hf:  # this rank's shards straight from the safetensors (a resume overwrites them)
         from meshrun.models.hf_load import load_hf_weights
@@ -206,7 +235,7 @@ def _log_step(run: _Run, cfg: JobConfig, env: DistEnv, step: int, loss, grad_nor
     if not (log_now or show_now):
         progress.update(step)
         return
-    value = run.layout.mean_loss(loss)
+    value = layout_mean_loss(run.layout, loss)
     run.losses.append((step, value))
     if log_now:
         peak = device_peak_flops(env.device, torch_dtype(tcfg.dtype))
@@ -222,7 +251,7 @@ def _log_step(run: _Run, cfg: JobConfig, env: DistEnv, step: int, loss, grad_nor
 def _evaluate(run: _Run, cfg: JobConfig, step: int, metrics: MetricsLogger, progress: ProgressBar) -> None:
     if run.val_loader is None:
         return
-    value = run.layout.evaluate(run.val_loader, steps=cfg.train.eval_steps, dtype=cfg.train.dtype)
+    value = layout_evaluate(run.layout, run.val_loader, steps=cfg.train.eval_steps, dtype=cfg.train.dtype)
     run.eval_losses.append((step, value))
     metrics.log_eval(step, eval_loss=value)
     progress.write(f"step {step}: eval loss {value:.4f}")

@@ -14,7 +14,6 @@ import sys
 import time
 from pathlib import Path
 
-import meshrun
 from meshrun.config import load_config
 from meshrun.errors import MeshrunError
 from meshrun.train.profile import parse_steps
@@ -22,7 +21,9 @@ from meshrun.train.profile import parse_steps
 CONFIG_FILE = "config.toml"
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, steps=None) -> int:
+    """`steps`: the trainer's StepSource factory (train/trainer.py); meshrun.fault.worker passes
+    torchft's, None trains in exact mode."""
     parser = argparse.ArgumentParser(prog="meshrun.train.worker", description=__doc__.splitlines()[0])
     parser.add_argument("--run-dir", required=True, help="run directory holding config.toml")
     parser.add_argument("--resume", help="this start's checkpoint.resume (meshrun train decides it); "
@@ -39,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     except MeshrunError as exc:
         print(f"meshrun train: error: {exc}", file=sys.stderr)
         return 2
-    from meshrun.checkpoint.runs import finished_step
+    from meshrun.rundir.runs import finished_step
 
     done = finished_step(run_dir)
     if done is not None:  # e.g. the agent restarted the workers after the end: never train it again
@@ -58,30 +59,30 @@ def main(argv: list[str] | None = None) -> int:
         from meshrun.parallel.compile import use_run_cache
 
         use_run_cache(run_dir)  # before inductor reads it: a restarted run reuses the kernels
-    from meshrun.runtime import session  # noqa: F401 - imports torch: timed apart from the rendezvous
+    from meshrun.runtime import session  # imports torch: timed apart from the rendezvous
 
     events.record(run_dir, "torch_imported")
-    env = meshrun.init()
+    env = session.init()
     events.record(run_dir, "pg_ready")
     from meshrun.checkpoint import Preempted
     from meshrun.train.trainer import train  # after init: heavy imports off the error path
 
     try:
-        result = train(cfg, env, run_dir, profile)
+        result = train(cfg, env, run_dir, profile, steps=steps)
     except Preempted as exc:
         # SIGTERM/SIGINT (preemption): a checkpoint is committed; re-running the command continues.
         if env.is_main:
             print(f"meshrun train: {exc}; re-run the same command to continue", file=sys.stderr)
-        meshrun.shutdown()
+        session.shutdown()
         return 0
     except MeshrunError as exc:
         # Bad input found on the workers (data file, model factory): one line, exit 2.
         print(f"meshrun train: error: {exc}", file=sys.stderr)
-        meshrun.shutdown(failed=True)
+        session.shutdown(failed=True)
         return exc.exit_code  # 2 for bad input; 1 for a failed job (e.g. DiskWriteError)
     if env.is_main:
         _finish_report(cfg, run_dir, result)
-    meshrun.shutdown()
+    session.shutdown()
     return 0
 
 

@@ -4,7 +4,7 @@ A log root is what `meshrun launch --log-dir` (or `meshrun train`'s RUN_DIR/logs
 `<run id>/attempt_N/<local rank>/{stdout.log,stderr.log,error.json}`, plus failures.json
 written by the launcher with each rank's exit code or signal. Each rank is read into the
 launcher's own failure type (launch/failure.py: the same reading, ordering and wording as the
-launch summary) and classified by debug/classify.py.
+launch summary) and classified by diagnose/classify.py.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import re
 import time
 from dataclasses import dataclass, field
 
-from meshrun.debug.classify import DATA, FOLLOW_ON, classify_failure, classify_launch
+from meshrun.diagnose.classify import DATA, FOLLOW_ON, classify_failure, classify_launch
 from meshrun.errors import MeshrunError
 from meshrun.launch.failure import (
     ERROR_FILE,

@@ -1,7 +1,7 @@
 """`meshrun launch`'s decisions, read once from the arguments, the environment and SLURM.
 
-`plan_launch(args)` reads and decides; it changes nothing (not the namespace, not os.environ,
-not the file system). The launcher (launcher.py) runs the plan. What meshrun adds to torchrun:
+`launch_spec(args)` reads and decides; it changes nothing (not the namespace, not os.environ,
+not the file system). The launcher (launcher.py) runs the spec. What meshrun adds to torchrun:
 
 * `--nproc-per-node auto`; a single-node job without rendezvous flags gets c10d on a free port,
   as torchrun >= 2.12 does, so two jobs at once never collide;
@@ -46,7 +46,7 @@ RELIABLE_RESTARTS = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 
 
 @dataclass(frozen=True)
-class LaunchPlan:
+class LaunchSpec:
     """What to run and how: torchrun's options as meshrun resolved them, plus the job's environment."""
 
     options: argparse.Namespace  # torchrun's options (a private copy) as config_from_args reads them
@@ -67,8 +67,8 @@ class LaunchPlan:
     def nnodes(self) -> str:
         return str(self.options.nnodes)
 
-    def with_run(self, *, log_dir: str | None = None, script_args: list[str] | None = None) -> LaunchPlan:
-        """The same plan with another --log-dir and/or training script arguments (a new plan)."""
+    def with_run(self, *, log_dir: str | None = None, script_args: list[str] | None = None) -> LaunchSpec:
+        """The same spec with another --log-dir and/or training script arguments (a new spec)."""
         options = argparse.Namespace(**vars(self.options))
         if script_args is not None:
             options.training_script_args = list(script_args)
@@ -101,9 +101,9 @@ def checked_options(args: argparse.Namespace, environ: Mapping[str, str] | None 
     return options
 
 
-def plan_launch(args: argparse.Namespace, environ: Mapping[str, str] | None = None, *,
-                checked: argparse.Namespace | None = None) -> LaunchPlan:
-    """Resolve a parsed `meshrun launch` namespace into a LaunchPlan; `args` is left as it was.
+def launch_spec(args: argparse.Namespace, environ: Mapping[str, str] | None = None, *,
+                checked: argparse.Namespace | None = None) -> LaunchSpec:
+    """Resolve a parsed `meshrun launch` namespace into a LaunchSpec; `args` is left as it was.
 
     Raises LaunchError for options that cannot work (bad --nnodes or --nproc-per-node, bad timeouts).
     `checked`: what checked_options(args, environ) already returned (not checked twice).
@@ -141,7 +141,7 @@ def plan_launch(args: argparse.Namespace, environ: Mapping[str, str] | None = No
     # One OpenMP thread in the forkserver, or torch's import starts its pool there: no fork after that (preload.py)
     preload = wrap and preloads(bool(options.module), options.training_script, environ) \
         and env.get("OMP_NUM_THREADS", environ.get("OMP_NUM_THREADS")) == "1"
-    return LaunchPlan(options, env, options.log_dir or None, wrap, preload, prefix, "LOGLEVEL" not in environ,
+    return LaunchSpec(options, env, options.log_dir or None, wrap, preload, prefix, "LOGLEVEL" not in environ,
                       job, network)
 
 

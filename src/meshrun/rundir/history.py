@@ -16,8 +16,8 @@ import time
 from pathlib import Path
 
 from meshrun.checkpoint import manifest as mf
-from meshrun.checkpoint.runs import CONFIG_FILE, finished_step, set_aside_final
 from meshrun.errors import ConfigError, MeshrunError
+from meshrun.rundir.runs import CONFIG_FILE, finished_step, set_aside_final
 
 FORCE_HINT = "add --force to do so, or start a new run with --set train.name=NEW"
 # Per-start choices, not the run's settings: they may differ from start to start.

@@ -3,7 +3,7 @@
 Every source becomes a `transformers` causal LM in memory, so one sampling loop with transformers'
 KV cache (`past_key_values`) serves the built-in decoder and HF models alike:
 - an HF directory (config.json + safetensors) loads with `from_pretrained`;
-- a run or checkpoint is read one tensor at a time (checkpoint/model_source.py) and renamed by
+- a run or checkpoint is read one tensor at a time (trained/model_source.py) and renamed by
   the export mapping (models/to_hf.py: the built-in decoder becomes a LlamaForCausalLM with
   its q/k rows permuted; a `[model] hf` run keeps its HF names); the model is built on the meta
   device and takes those tensors as they are (`assign=True`), so the weights are held once.
@@ -130,7 +130,7 @@ def generate_text(loaded: Loaded, prompt: str, sampler: Sampler) -> str:
 def load(path: Path) -> Loaded:
     """An HF directory, a run directory or a checkpoint directory, as a causal LM and its tokenizer."""
     from meshrun.checkpoint import manifest as mf
-    from meshrun.checkpoint.runs import CONFIG_FILE
+    from meshrun.rundir.runs import CONFIG_FILE
 
     path = Path(path)
     refused = mf.unusable(path)
@@ -171,10 +171,10 @@ def _load_hf_dir(transformers, path: Path) -> Loaded:
 
 def _load_run(transformers, path: Path) -> Loaded:
     from meshrun.checkpoint.export_tokenizer import token_ids, tokenizer_spec
-    from meshrun.checkpoint.model_source import open_source
     from meshrun.data.tokenizer import load_tokenizer
     from meshrun.models.meta import on_meta
     from meshrun.models.to_hf import plan_for
+    from meshrun.trained.model_source import open_source
 
     source = open_source(path)
     plan = plan_for(source.specs, source.config, token_ids(source.config))

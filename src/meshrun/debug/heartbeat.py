@@ -1,4 +1,4 @@
-"""This process's progress: a counter the hang watchdog reads, and its last collectives.
+"""This process's heartbeat: the counter the hang watchdog reads, and its last collectives.
 
 Standard library only and as cheap as Python allows: `meshrun.heartbeat()` is one increment of
 the counter on the process's runtime object (meshrun.runtime.process), so a training loop may
@@ -32,7 +32,7 @@ class CollectiveRecord:
         return f"#{self.seq} {self.op}({self.tensors}) group={self.group} at {self.site}: {state}"
 
 
-class Progress:
+class Heartbeat:
     """Steps, batches and returned collectives counted; the last RECENT collectives kept."""
 
     def __init__(self) -> None:

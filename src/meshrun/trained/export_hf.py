@@ -66,13 +66,13 @@ def export_hf(ckpt: Path, out: Path, *, max_shard_size: str = DEFAULT_MAX_SHARD,
     """Write CKPT (a checkpoint, or a run directory) as a Hugging Face directory at OUT; returns a summary."""
     max_bytes = parse_size(max_shard_size)  # bad options and a taken OUT: one line before torch is imported
     check_out(Path(out), force)
-    from meshrun.checkpoint.model_source import open_source
+    from meshrun.trained.model_source import open_source
 
     return write_hf(open_source(Path(ckpt)), Path(out), max_bytes=max_bytes)
 
 
 def write_hf(source, out: Path, *, max_bytes: int) -> dict:
-    """Write a ModelSource (checkpoint/model_source.py) as a Hugging Face directory at OUT."""
+    """Write a ModelSource (trained/model_source.py) as a Hugging Face directory at OUT."""
     from meshrun.checkpoint.export_tokenizer import token_ids, write_tokenizer_files
     from meshrun.models.to_hf import plan_for
 

@@ -9,25 +9,13 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from meshrun.checkpoint.runs import FINAL_WEIGHTS as WEIGHTS_FILE  # the one name of model.pt
 from meshrun.config import JobConfig
 from meshrun.errors import ConfigError
 from meshrun.parallel.layout import BuiltLayout
+from meshrun.rundir.runs import FINAL_WEIGHTS as WEIGHTS_FILE  # the one name of model.pt
 from meshrun.runtime.process import DistEnv
 
 logger = logging.getLogger(__name__)
-
-
-def check_init_from(model: nn.Module, path: str) -> None:
-    """Names and shapes of `model.init_from` against the meta model: one clear line, before any
-    weight is allocated (copying into meta tensors is a no-op)."""
-    import warnings
-
-    from meshrun.checkpoint.export import load_consolidated
-
-    with warnings.catch_warnings():  # "copying ... to a meta parameter ... is a no-op": it is meant
-        warnings.simplefilter("ignore", UserWarning)
-        load_consolidated(model, path)
 
 
 def resolved_seq_len(cfg: JobConfig, model: nn.Module) -> int:

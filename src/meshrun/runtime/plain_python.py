@@ -15,7 +15,7 @@ import re
 import shlex
 import sys
 
-from meshrun.launch.args import auto_nproc_per_node
+from meshrun.runtime.device import auto_nproc_per_node
 
 # What torchrun (and meshrun launch) set for every worker.
 LAUNCHER_VARS = frozenset(

@@ -5,7 +5,7 @@ a preemption, a crash or a scheduler's requeue would start over and lose the wor
 checkpoint.resume='auto', meshrun looks at the newest earlier run under train.run_dir trained with
 the same settings (every section but launch, whose world size may change: checkpoints reshard,
 and the run's name): when that run has a committed checkpoint and never finished (no final
-weights), it is continued, unless another live run holds it (runtime/rundir.py): then this is a
+weights), it is continued, unless another live run holds it (rundir/lock.py): then this is a
 new run. A finished one means a new run. `--resume never` always starts anew.
 
 A finished run has RUN/finished.json ({"step": N}), written durably by rank 0 right after
@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 from meshrun.checkpoint import manifest as mf
-from meshrun.errors import MeshrunError
+from meshrun.errors import ConfigError, MeshrunError, shown
 
 CONFIG_FILE = "config.toml"
 FINAL_WEIGHTS = "model.pt"  # written by the trainer at the very end of a run
@@ -111,7 +111,7 @@ def claim_unfinished_run(cfg, job: str | None = None):
 
     A run another live `meshrun train` holds is never picked: it is being continued already.
     """
-    from meshrun.runtime.rundir import RunDirBusy, RunLock
+    from meshrun.rundir.lock import RunDirBusy, RunLock
 
     run = unfinished_run(cfg)
     if run is None:
@@ -125,3 +125,38 @@ def claim_unfinished_run(cfg, job: str | None = None):
         lock.release()
         return None
     return run, lock
+
+
+def claim_run_dir(cfg, job: str | None):
+    """(run directory, its held RunLock): train.name's, the unfinished run an unnamed run continues,
+    or a new timestamped one (created exclusively: two unnamed runs in one second get two).
+
+    `job`: None on one node (an exclusive lock); on several, the key the launchers of this job
+    share the lock under (every node runs `meshrun train` on the same directory).
+    """
+    from meshrun.rundir.lock import RunLock, create_unique
+    from meshrun.rundir.runs import claim_unfinished_run
+
+    root = Path(cfg.train.run_dir)
+    if cfg.train.name:
+        run_dir = root / cfg.train.name
+        _make_dir(run_dir)
+        return run_dir, RunLock.acquire(run_dir, job)  # RunDirBusy (exit 2) names the live holder
+    claimed = claim_unfinished_run(cfg, job)  # an unnamed re-run continues its unfinished run, not a new one
+    if claimed is not None:
+        print(f"meshrun train: continuing the unfinished run {claimed[0]} (same settings, has a checkpoint); "
+              "--resume never starts a new run", file=sys.stderr)
+        return claimed
+    _make_dir(root)
+    run_dir = create_unique(root, time.strftime("%Y%m%d-%H%M%S"))
+    return run_dir, RunLock.acquire(run_dir, job)
+
+
+def _make_dir(path: Path) -> None:
+    """mkdir -p, or one line naming train.run_dir: the checks before launch ask access(), which
+    a filesystem such as /proc answers yes to and then refuses the mkdir."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"train.run_dir/train.name {shown(str(path))} cannot be created ({exc.strerror or exc}); "
+                          "give a directory you can write") from None

@@ -1,7 +1,7 @@
 """One owner per run directory: an exclusive lock held by the `meshrun train` launcher for the whole run.
 
     with RunLock.acquire(run_dir):     # RunDirBusy (exit 2) when a live run holds it
-        run_plan(plan)                 # workers and their restarts run under it; they never lock
+        run_spec(plan)                 # workers and their restarts run under it; they never lock
 
 The lock is `fcntl.flock` on RUN/.meshrun-lock (shared by the launchers of one multi-node job). The kernel drops it when the holder exits, however
 it exits (a SIGKILL too), so a dead holder never blocks a new run: the file it leaves names it, and

@@ -1,5 +1,6 @@
-"""MLflow, W&B and trackio adapters for `meshrun.metrics.trackers`, each writing locally by default.
+"""The tracker adapters `meshrun.metrics.trackers` opens, each writing locally by default.
 
+- TensorBoard: event files in runs/<name>/tb.
 - MLflow: `MLFLOW_TRACKING_URI` when the user set it, else a file store in runs/<name>/mlruns
   (mlflow 3 keeps file stores in maintenance mode: meshrun opts in for that store only; a
   sqlite:// store needs sqlalchemy and alembic, which mlflow-skinny leaves out).
@@ -19,16 +20,51 @@ import netrc
 import os
 import secrets
 import time
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
-from meshrun.metrics.trackers import PROJECT, TrackerState, numeric
+from meshrun.metrics.tracker_base import PROJECT, TENSORBOARD_DIR, TrackerState, numeric
 
 logger = logging.getLogger(__name__)
 
 MLFLOW_PARAM_CHARS = 6000  # mlflow's limit for one param value
+
+
+class TensorBoardTracker:
+    """torch.utils.tensorboard's SummaryWriter in runs/<name>/tb (a resumed run adds event files)."""
+
+    name = "tensorboard"
+
+    def __init__(self, writer: Any) -> None:
+        self.writer = writer
+
+    @classmethod
+    def open(cls, run_dir: Path, state: TrackerState | None, config: dict[str, Any], run_name: str) -> TensorBoardTracker:
+        with warnings.catch_warnings():  # its import chain warns about deprecated modules
+            warnings.simplefilter("ignore")
+            from torch.utils.tensorboard import SummaryWriter
+        tracker = cls(SummaryWriter(log_dir=str(run_dir / TENSORBOARD_DIR)))
+        if config:
+            rows = "\n".join(f"| {key} | {value!r} |" for key, value in config.items())
+            tracker.writer.add_text("config", "| key | value |\n|---|---|\n" + rows)
+        return tracker
+
+    def log(self, values: dict[str, float], step: int) -> None:
+        for key, value in values.items():
+            self.writer.add_scalar(key, value, step)
+
+    def summary(self, values: dict[str, Any], step: int) -> None:
+        self.log({f"summary/{k}": v for k, v in numeric(values).items()}, step)
+        self.writer.add_text("summary", "\n".join(f"{k}: {v}" for k, v in values.items()), step)
+
+    def flush(self) -> None:
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()
 
 
 @contextlib.contextmanager

@@ -19,8 +19,8 @@ from pathlib import Path
 import torch
 
 from meshrun.checkpoint import manifest as mf
-from meshrun.checkpoint.runs import CONFIG_FILE, FINAL_WEIGHTS, finished_step
 from meshrun.errors import ConfigError
+from meshrun.rundir.runs import CONFIG_FILE, FINAL_WEIGHTS, finished_step
 
 
 @dataclass

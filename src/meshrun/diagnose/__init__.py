@@ -1,0 +1,1 @@
+"""`meshrun diagnose`: a failed run's per-rank logs read after the fact, classified, with the fix."""

@@ -1,0 +1,87 @@
+"""Process trees by pid: a process's descendants, `meshrun launch`'s workers among them, and
+kill_tree, which stops a whole tree (never by name). For tests and benchmarks that start jobs.
+Linux /proc; standard library only.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+
+def descendants(pid: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as fp:
+                    ppid = int(fp.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    found, stack = [], [pid]
+    while stack:
+        for child in children.get(stack.pop(), []):
+            found.append(child)
+            stack.append(child)
+    return found
+
+
+def worker_pids(pid: int) -> list[int]:
+    """The launch workers under `pid`: worker_main.py processes, or `meshrun train`'s forked ones
+    (named meshrun-worker, launch/preload.py; their cmdline is their forkserver's)."""
+    found = []
+    for child in descendants(pid):
+        try:
+            comm = Path(f"/proc/{child}/comm").read_text().strip()
+            cmdline = Path(f"/proc/{child}/cmdline").read_bytes().decode(errors="replace")
+        except OSError:
+            continue
+        if comm == "meshrun-worker" or "worker_main.py" in cmdline:
+            found.append(child)
+    return found
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
+def _running(pid: int) -> bool:
+    """Alive and not a zombie (an orphan's zombie may wait for a reaper that never comes)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in ("Z", "X")
+
+
+def kill_tree(pid: int, tracker_grace: float = 5.0) -> None:
+    """SIGKILL a process and every descendant, by pid (workers run in sessions of their own).
+
+    multiprocessing's resource trackers among them go last: once everything else is dead their pipe
+    closes, and they unlink the named semaphores (/dev/shm/sem.mp-*) of torch's launcher queues and
+    exit. SIGKILLed with the rest they left those files behind (~480 a suite). Bounded: a tracker
+    still running after `tracker_grace` seconds is SIGKILLed too.
+    """
+    targets = [pid, *descendants(pid)]
+    trackers = [t for t in targets if b"multiprocessing.resource_tracker" in _cmdline(t)]
+    for target in targets:
+        if target not in trackers:
+            try:
+                os.kill(target, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    deadline = time.monotonic() + tracker_grace
+    for tracker in trackers:
+        while _running(tracker) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        if _running(tracker):
+            try:
+                os.kill(tracker, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
