@@ -10,7 +10,7 @@ import pytest
 
 from meshrun.launch.args import build_parser
 from meshrun.launch.launcher import WORKER_MAIN, build_launch
-from meshrun.launch.preload import PRELOAD_MODULES, preloaded_main
+from meshrun.launch.preload import PRELOAD_MODULES, PRELOADED_TARGETS, preloaded_main
 from meshrun.launch.spec import launch_spec
 
 TRAIN = ["--nproc-per-node", "2", "-m", "meshrun.train.worker", "--run-dir", "r"]
@@ -27,6 +27,17 @@ def test_meshrun_train_workers_are_forked_from_the_preloaded_server(tmp_path):
     assert entry is preloaded_main and config.start_method == "forkserver"
     assert args == ["-m", "meshrun.train.worker", "--run-dir", "r"]  # worker_main.run's argv; no -u
     assert "torch" in PRELOAD_MODULES and "meshrun.train.trainer" in PRELOAD_MODULES
+
+
+def test_every_preloaded_name_is_a_module():
+    """multiprocessing's forkserver skips a preload name that does not import, without a word:
+    a renamed module would only make every restart slower. The names are strings, so check them."""
+    import importlib.util
+
+    from meshrun.testing.harness import PRELOAD
+
+    missing = [name for name in (*PRELOAD_MODULES, *PRELOADED_TARGETS, *PRELOAD) if importlib.util.find_spec(name) is None]
+    assert not missing, f"preloaded names that are not modules: {missing}"
 
 
 @pytest.mark.parametrize("argv, environ", [
