@@ -59,6 +59,7 @@ from meshrun.fault import ledger
 from meshrun.runtime.events import process_start_time
 
 GROUPS = 2
+QUIET_TAIL_STEPS = 20  # no kill this close to the end: a heal took up to 9 of the survivor's steps under load
 PARTS = ("restart", "init", "heal", "joint", "total", "pause", "alone")
 
 
@@ -90,13 +91,18 @@ def _all_joined(rows: list[dict], events: list[dict], since: float) -> bool:
         for pid in pids.values())
 
 
-def run(cmd: list[str], run_dir: Path, *, kill_every: float | None, timeout: float, log: Path) -> dict:
-    """Start cmd, SIGKILL a random group's worker every kill_every seconds, wait for the end."""
+def run(cmd: list[str], run_dir: Path, *, kill_every: float | None, timeout: float, log: Path,
+        steps: int | None = None) -> dict:
+    """Start cmd, SIGKILL a random group's worker every kill_every seconds, wait for the end.
+    No kill in the last QUIET_TAIL_STEPS of `steps`: a group killed there could not heal before the
+    survivors finish, and its recovery would be counted as lost."""
 
     def act(pid: int, kills: list, rng: random.Random, due: bool, deadline: float) -> bool:
         rows, events = _records(run_dir)
         _note_restarts(kills, events)
         if not (due and _all_joined(rows, events, kills[-1]["at"] if kills else 0)):
+            return False
+        if steps and rows and max(r["step"] for r in rows) >= steps - QUIET_TAIL_STEPS:
             return False
         pids = _current(events)
         group = rng.randrange(GROUPS)
@@ -266,7 +272,8 @@ def _main(args, work: Path) -> int:
         {"cmd": torchft_cmd(work, "clean", steps, args.interval, 0, extra), "run_dir": work / "clean",
          "kill_every": None, "timeout": limit, "log": work / "clean.log"},
         {"cmd": torchft_cmd(work, "faulty", steps, args.interval, restarts, extra), "run_dir": work / "faulty",
-         "kill_every": args.kill_every, "timeout": limit, "log": work / "faulty.log"}, args.side_by_side, run_fn=run)
+         "kill_every": args.kill_every, "timeout": limit, "log": work / "faulty.log", "steps": steps},
+        args.side_by_side, run)
     held = summary(clean, faulty, args.side_by_side)
     short = None if args.steps else short_run_note(clean["end"] - clean["launched"], args.minutes)
     if short:
