@@ -1,6 +1,6 @@
 """`python -m meshrun ...` is the same as the `meshrun` command."""
 
-from meshrun.cli import main
+from meshrun.cli import run
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    run()

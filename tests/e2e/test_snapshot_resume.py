@@ -106,6 +106,7 @@ def test_repeated_sigkills_resume_from_memory_bitwise_and_exactly_once(tmp_path)
     starts = [e for e in events if e["event"] == "worker_start"]
     assert len(starts) == 2 * (KILLS + 1), starts
     assert all(e["forkserver_threads"] == 1 for e in starts), starts  # pre-imported, and forked single-threaded
+    assert all(e["forkserver"] == "launcher" for e in starts), starts  # forked from the launcher itself
     # From memory every time, except where memory held nothing newer than the disk checkpoint: a
     # kill during the snapshot right after a disk save (a loaded machine drifts from the target
     # step) leaves both at the same step, and the disk copy is taken (checkpoint/snapshot.py).

@@ -6,6 +6,8 @@ single-threaded) and in every `meshrun train` test.
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 
 from meshrun.launch.args import build_parser
@@ -52,3 +54,57 @@ def test_other_workers_are_started_as_before(tmp_path, argv, environ):
     assert not plan.preload
     config, entry, args = build_launch(plan, str(tmp_path))
     assert isinstance(entry, str) and args[:2] == ["-u", WORKER_MAIN] and config.start_method != "forkserver"
+
+
+SERVER_PROBE = r"""
+import os, sys, tempfile, threading, multiprocessing
+from meshrun.launch.preload import start_server
+from multiprocessing import forkserver
+
+held = tempfile.TemporaryFile()  # a descriptor of this process's own: the server must not keep it
+if sys.argv[1] == "thread":
+    gate = threading.Event()
+    threading.Thread(target=gate.wait, daemon=True).start()
+forked = start_server({"PROBE_VAR": "from-the-job"})
+ctx = multiprocessing.get_context("forkserver")
+child = ctx.Process(target=exec, args=(
+    "import os; print('CHILD', os.environ.get('PROBE_VAR'), os.getppid(), "
+    "len(os.listdir(f'/proc/{os.getppid()}/task')), flush=True)",))
+child.start()
+child.join(60)
+server = forkserver._forkserver._forkserver_pid
+fds = [os.readlink(f"/proc/{server}/fd/{fd}") for fd in os.listdir(f"/proc/{server}/fd")]
+own = os.readlink(f"/proc/self/fd/{held.fileno()}")
+print("SERVER", forked, server, child.exitcode, own in fds, "torch" in sys.modules, flush=True)
+"""
+
+
+def _probe(mode: str) -> tuple[list[str], list[str]]:
+    from conftest import run_proc
+
+    result = run_proc([sys.executable, "-c", SERVER_PROBE, mode], timeout=120)
+    assert result.returncode == 0, result.output
+    lines = result.stdout.split("\n")
+    child = next(line.split() for line in lines if line.startswith("CHILD"))
+    server = next(line.split() for line in lines if line.startswith("SERVER"))
+    return child, server
+
+
+def test_the_server_is_forked_from_the_launcher_with_the_jobs_environment():
+    """A single-threaded launcher forks the server: the workers' parent, one thread, the job's
+    variables, and none of the launcher's own descriptors (a run directory's lock, say)."""
+    child, server = _probe("plain")
+    assert server[1] == "True", server  # forked here
+    assert server[5] == "True", server  # with torch imported: what the server would import
+    assert child[1] == "from-the-job" and child[2] == server[2], (child, server)  # job's env; its parent
+    assert child[3] == "1", child  # the server has one thread
+    assert server[3] == "0" and server[4] == "False", server  # the child ran; the lock fd is not held
+
+
+def test_a_launcher_with_another_thread_leaves_the_server_to_python():
+    """fork() in a process with two threads is unsafe: Python's own server starts instead, and the
+    job's variables reach the workers through the agent, not through this call."""
+    child, server = _probe("thread")
+    assert server[1] == "False", server
+    assert child[1] == "None" and child[2] == server[2] and child[3] == "1", (child, server)
+    assert server[3] == "0" and server[4] == "False", server

@@ -24,6 +24,7 @@ from meshrun.config.fault_section import is_torchft
 from meshrun.errors import ConfigError, LaunchError, shown
 from meshrun.launch.args import build_parser as build_launch_parser
 from meshrun.launch.args import parse_nnodes
+from meshrun.launch.preload import one_thread_torch
 from meshrun.launch.spec import checked_options, launch_spec
 from meshrun.launch.torchrun_flags import OneLineParser
 from meshrun.rundir.runs import claim_run_dir
@@ -191,8 +192,9 @@ def check_train_args(argv: list[str]) -> tuple[argparse.Namespace, JobConfig, ar
 
 
 def main(argv: list[str]) -> int:
-    args, cfg, launch_args, options = check_train_args(argv)
-    from meshrun.launch.launcher import check_log_dir, run_spec  # torch from here on
+    with one_thread_torch():  # so that the workers' server can be forked from here (launch/preload.py)
+        args, cfg, launch_args, options = check_train_args(argv)
+        from meshrun.launch.launcher import check_log_dir, run_spec  # torch from here on
 
     plan = launch_spec(launch_args, checked=options)
     check_with_torch(cfg, nproc_per_node=plan.nproc_per_node, nnodes=plan.nnodes)  # train/preflight.py

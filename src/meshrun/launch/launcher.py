@@ -95,6 +95,10 @@ def run_spec(plan: LaunchSpec) -> int:
         else:
             record_launch_error(log_dir, str(exc), "preflight")
         raise
+    if plan.preload:
+        from meshrun.launch.preload import start_server
+
+        start_server(torch_elastic.agent_environ(config, plan.env))  # forked from here when safe; else the agent starts Python's
     recorder = attempts.install(log_dir, config.max_restarts, config.logs_specs)
     try:
         torch_elastic.run_agent(config, cmd, cmd_args, plan.env, quiet=plan.quiet_torch_logs)

@@ -23,6 +23,9 @@ worker checks it: it counts its parent's threads (/proc) and records the figure
 a warning line. The environment is the forkserver's, taken when it starts (inside the launch,
 with the job's variables set), plus the agent's per-worker variables; the launch stops it at its
 end (`stop_server`), so the next launch in the same process starts a new one.
+
+The server is forked from the launcher itself where that is safe (`start_server`): the launcher
+has imported torch for its checks, and a new interpreter would import it all again.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ import contextlib
 import os
 import signal
 import sys
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 
 # What every restart would otherwise import again: what a worker imported before its first step
 # (an audit hook on "import" in a forked worker), less what these import themselves.
@@ -58,6 +61,7 @@ PRELOAD_MODULES = (
 PRELOADED_TARGETS = ("meshrun.train.worker", "meshrun.fault.worker")  # `-m` targets whose workers fork from the preloaded server
 WORKER_NAME = b"meshrun-worker"  # the forked worker's /proc/PID/comm (its cmdline is the forkserver's)
 START_METHOD = "forkserver"
+SERVER_VAR = "MESHRUN_FORKSERVER"  # "launcher" in a server start_server forked; unset in Python's own
 
 
 def preloads(module: bool, target: str, environ: Mapping[str, str]) -> bool:
@@ -77,6 +81,110 @@ def use_forkserver(config, cmd_args: list[str]) -> tuple[object, list]:
     config.start_method = START_METHOD
     argv = list(cmd_args[1:] if cmd_args[:1] == ["-u"] else cmd_args)  # -u: preloaded_main unbuffers the streams
     return preloaded_main, argv
+
+
+@contextlib.contextmanager
+def one_thread_torch() -> Iterator[None]:
+    """Around the launcher's first `import torch`: OMP_NUM_THREADS=1 unless the user set it.
+
+    torch's import with the variable unset starts an OpenMP thread, and a process with two threads
+    cannot safely fork the workers' server (start_server). This process (the launcher) computes
+    nothing but its checks, on the meta device. The variable is removed again at the end of the
+    block, so the job's workers get what the user set (none: torchrun's 1 for several processes,
+    every core for one).
+    """
+    if "torch" in sys.modules or "OMP_NUM_THREADS" in os.environ:
+        yield
+        return
+    os.environ["OMP_NUM_THREADS"] = "1"
+    try:
+        yield
+    finally:
+        os.environ.pop("OMP_NUM_THREADS", None)
+
+
+def start_server(environ: Mapping[str, str]) -> bool:
+    """Start this launch's forkserver as a fork of this process, which has imported torch already.
+
+    The server Python would start is a new interpreter that imports PRELOAD_MODULES again: 2.3 s
+    of CPU a launch here, when this process (the launcher, after `meshrun train`'s checks) holds
+    most of them. Forked now, before the agent starts a thread, it costs only the imports this
+    process lacks. It is then what Python's would be: multiprocessing's own `forkserver.main`, on
+    a listener and an "alive" pipe made as `ForkServer.ensure_running` makes them, with the job's
+    environment (`environ`, set only around the fork), no file descriptor but stdin, stdout,
+    stderr and those two, and default signal handlers. The agent finds it running and uses it.
+
+    Only where that is safe and known: Linux, this process single-threaded (/proc: a lock another
+    thread held would stay held in every worker), no server running yet, and a multiprocessing
+    whose server takes no authentication key (Python 3.11-3.13). Otherwise False: the agent
+    starts Python's own server at the first worker start, as before.
+    """
+    import importlib
+    import multiprocessing
+    import socket
+    from multiprocessing import connection, forkserver, resource_tracker
+
+    server = forkserver._forkserver
+    known = all(hasattr(server, name) for name in ("_forkserver_address", "_forkserver_alive_fd", "_forkserver_pid"))
+    if not (sys.platform.startswith("linux") and known and not hasattr(server, "_forkserver_authkey")
+            and server._forkserver_pid is None and own_threads() == 1):
+        return False
+    multiprocessing.get_context(START_METHOD).set_forkserver_preload(list(PRELOAD_MODULES))  # the fallback's
+    for name in PRELOAD_MODULES:
+        with contextlib.suppress(ImportError):  # as the server itself does
+            importlib.import_module(name)
+    if own_threads() != 1:  # an import started one: not safe to fork
+        return False
+    resource_tracker.ensure_running()  # shared by the server's workers, as with Python's own server
+    address = connection.arbitrary_address("AF_UNIX")
+    with socket.socket(socket.AF_UNIX) as listener:
+        listener.bind(address)
+        os.chmod(address, 0o600)
+        listener.listen()
+        alive_r, alive_w = os.pipe()
+        from meshrun.launch.torch_elastic import scoped_environ
+
+        with scoped_environ(environ):
+            sys.stdout.flush()
+            sys.stderr.flush()
+            pid = os.fork()
+            if pid == 0:
+                _serve(listener.fileno(), alive_r)  # never returns
+        os.close(alive_r)
+    server._forkserver_address = address
+    server._forkserver_alive_fd = alive_w
+    server._forkserver_pid = pid
+    return True
+
+
+def _serve(listener_fd: int, alive_r: int) -> None:
+    """The forked server: the state a new interpreter would have, then multiprocessing's loop."""
+    code = 1
+    try:
+        low = 3  # close every descriptor but stdin, stdout, stderr, the listener and the pipe
+        for fd in (*sorted({listener_fd, alive_r}), os.sysconf("SC_OPEN_MAX")):
+            os.closerange(low, fd)
+            low = fd + 1
+        for sig in signal.valid_signals():
+            if sig not in (signal.SIGINT, signal.SIGKILL, signal.SIGSTOP) and callable(signal.getsignal(sig)):
+                signal.signal(sig, signal.SIG_DFL)
+        os.environ[SERVER_VAR] = "launcher"  # each worker records where it was forked from
+        from multiprocessing import forkserver
+
+        forkserver.main(listener_fd, alive_r, [])  # returns (SystemExit) when every client has gone
+        code = 0
+    except SystemExit:
+        code = 0
+    finally:
+        os._exit(code)
+
+
+def own_threads() -> int:
+    """Threads of this process (Linux /proc); 0 where it cannot be read (never safe to fork then)."""
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:
+        return 0
 
 
 def stop_server() -> None:

@@ -35,7 +35,7 @@ from torch.distributed.run import config_from_args, get_args_parser
 
 __all__ = [
     "AGENT_PROCS_LOGGER", "ChildFailedError", "JOIN_TIMEOUT_DEFAULT_S", "LaunchConfig", "RendezvousClosedError",
-    "RendezvousError", "RendezvousTimeoutError", "SignalException", "agent_failure_record", "build_config",
+    "RendezvousError", "RendezvousTimeoutError", "SignalException", "agent_environ", "agent_failure_record", "build_config",
     "agent_store", "run_agent", "run_log_dir", "scoped_environ", "torchrun_parser",
 ]
 
@@ -71,6 +71,13 @@ def run_agent(config: LaunchConfig, entrypoint, args: list[str], environ: Mappin
     with scoped_environ(environ), _quiet_loggers(quiet), _plain_failure_records(), agent_store(config), \
             _tolerant_error_files(), _quiet_master_port(config):
         elastic_launch(config=config, entrypoint=entrypoint)(*args)
+
+
+def agent_environ(config: LaunchConfig, environ: Mapping[str, str]) -> dict[str, str]:
+    """The variables os.environ holds while the agent runs: `environ` (run_agent's), and what
+    `elastic_launch` sets itself before it starts the agent (torch 2.13: the signals to handle)."""
+    signals = getattr(config, "signals_to_handle", None)
+    return {**environ, **({"TORCHELASTIC_SIGNALS_TO_HANDLE": signals} if signals else {})}
 
 
 @contextlib.contextmanager

@@ -46,9 +46,12 @@ def main(argv: list[str] | None = None, steps=None) -> int:
     if done is not None:  # e.g. the agent restarted the workers after the end: never train it again
         print(f"meshrun train: {run_dir} has finished (step {done}); not training it again", file=sys.stderr)
         return 0
+    from meshrun.launch.preload import SERVER_VAR
+
     forked = os.environ.get("MESHRUN_FORKSERVER_THREADS")  # set by a pre-imported worker (launch/preload.py)
     events.record(run_dir, "worker_start", time=started, proc_start=events.process_start_time(),
-                  forkserver_threads=int(forked) if forked else None)
+                  forkserver_threads=int(forked) if forked else None,
+                  forkserver=(os.environ.get(SERVER_VAR) or "python") if forked else None)
     if cfg.parallel.strategy == "fsdp":
         from meshrun.runtime.alloc import configure_allocator
 
