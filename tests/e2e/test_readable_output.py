@@ -1,6 +1,6 @@
 """Output a person reads, through `meshrun launch` with real processes:
 a user's error shows the user's frames without C++ stacks or meshrun's wrappers (all of it with
---verbose), Ctrl-C ends with one line, and a plain torchrun-style script that creates and destroys
+--verbose), Ctrl-C ends with one line (and stops `meshrun train` at once, with a checkpoint), and a plain torchrun-style script that creates and destroys
 its own group runs cleanly under `--debug collectives`."""
 
 from __future__ import annotations
@@ -12,6 +12,8 @@ import subprocess
 import time
 
 from conftest import BIN, child_env, meshrun
+
+from meshrun.testing.processes import group_members
 
 USER_ERROR = """\
 import torch
@@ -85,6 +87,44 @@ def test_ctrl_c_ends_with_one_line(tmp_path):
     ours = [line for line in err.splitlines() if "meshrun" in line]
     assert len(ours) == 1 and "stopped by SIGINT" in ours[0], err
     assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
+
+
+# torch's agent waits this long for stopped workers to exit before it SIGKILLs them
+# (MultiprocessContext._close). Forked workers that had saved and returned used to wait that
+# long for the agent's "result read" event (launch/torch_elastic.py _workers_released_on_close).
+TORCH_CLOSE_TIMEOUT_S = 30
+
+
+def test_ctrl_c_stops_meshrun_train_with_a_checkpoint_well_before_torchs_kill(tmp_path):
+    """Ctrl-C in the middle of `meshrun train`: the workers save, return and exit by themselves
+    (1.6 s here), nothing is left running, and the command says how to continue."""
+    from conftest import TINY
+
+    proc = subprocess.Popen([str(BIN / "meshrun"), "train", TINY, "--set", "train.name=stop",
+                             "--set", f"train.run_dir={tmp_path}", "--set", "train.steps=100000",
+                             "--set", "train.eval_interval=0"],
+                            cwd=tmp_path, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 90
+        metrics = tmp_path / "stop" / "metrics.jsonl"
+        while not (metrics.is_file() and metrics.read_text().count("\n") >= 2):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.1)
+        os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does: the whole foreground group
+        _, err = proc.communicate(timeout=TORCH_CLOSE_TIMEOUT_S - 10)  # a timeout fails the test
+        gone_by = time.monotonic() + 5  # multiprocessing's resource tracker exits once its pipe closes
+        while group_members(proc.pid) and time.monotonic() < gone_by:
+            time.sleep(0.05)
+        left = group_members(proc.pid)
+    finally:
+        if proc.poll() is None or group_members(proc.pid):
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+    assert proc.returncode == 0, err
+    assert "checkpoint committed; re-run the same command to continue" in err, err
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
+    assert not left, f"processes of the job outlived it: {left}"
 
 
 PLAIN = """\

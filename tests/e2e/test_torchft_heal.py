@@ -129,4 +129,6 @@ def test_killed_group_heals_from_survivor_without_stopping_it(tmp_path):
     assert any(r["healed"] and r["quorum_size"] == 2 and r["time"] > killed_at for r in quorums), quorums
     sizes = [r["quorum_size"] for r in metrics_records(run_dir)
              if r.get("event") == "torchft_quorum" and r["time"] > killed_at]
-    assert sizes[:2] == [1, 2], sizes  # the survivor's quorum shrank to itself, then grew back
+    # The survivor's quorum shrank to itself, then grew back. A quorum of 2 may come first: one the
+    # lighthouse formed before the dead group's heartbeat lapsed (its step then fails and is retried).
+    assert 1 in sizes and 2 in sizes[sizes.index(1):], sizes

@@ -44,6 +44,21 @@ def worker_pids(pid: int) -> list[int]:
     return found
 
 
+def group_members(pgid: int) -> list[int]:
+    """The processes of process group `pgid` still running (zombies left out: an orphan's zombie
+    may wait for a reaper that never comes). A job started with start_new_session is one group."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
+            except (OSError, IndexError):
+                continue
+            if len(fields) > 3 and fields[3] == str(pgid) and fields[0] not in ("Z", "X"):
+                found.append(int(entry))
+    return found
+
+
 def _cmdline(pid: int) -> bytes:
     try:
         return Path(f"/proc/{pid}/cmdline").read_bytes()
