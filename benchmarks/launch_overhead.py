@@ -43,6 +43,8 @@ def _launcher_cmd(name: str, nproc: int, script: str) -> list[str]:
     bindir = os.path.dirname(sys.executable)
     if name == "torchrun":
         return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), script]
+    if name == "before":  # an older src/ may lack the console script's entry point: `python -m meshrun`
+        return [sys.executable, "-m", "meshrun", "launch", "--nproc-per-node", str(nproc), script]
     meshrun = shutil.which("meshrun", path=bindir) or "meshrun"
     return [meshrun, "launch", "--nproc-per-node", str(nproc), script]
 
