@@ -10,7 +10,7 @@ from conftest import REPO, run_proc
 
 def test_train_start_benchmark_prints_cost_and_stop_time():
     result = run_proc([sys.executable, str(REPO / "benchmarks" / "train_start.py"), "--repeats", "1", "--stop",
-                       "--timeout", "120"], timeout=300)
+                       "--timeout", "100"], timeout=240)
     assert result.returncode == 0, result.output
     found = re.search(r"after\s+wall\s+([\d.]+) s\s+CPU\s+([\d.]+) s\s+Ctrl-C to exit\s+([\d.]+) s", result.stdout)
     assert found, result.output

@@ -18,6 +18,9 @@ from meshrun.parallel.resolve import DTYPE_NAMES, ParallelOptions, check_options
 from meshrun.parallel.rules import check_optimizer_shards, shards_parameters
 
 # [model] keys that describe the built-in decoder: a model.hf directory's config.json says all of these.
+# The longest sequence either key takes: 16M tokens. Its RoPE table alone is 8 GiB at head_dim 128;
+# sizes near 2**63 overflowed torch's storage size in the meta build (a traceback, not a line).
+MAX_SEQ_LEN = 1 << 24
 HF_SHAPE_KEYS = ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden", "max_seq_len",
                  "tie_embeddings", "rope_theta", "norm_eps")
 
@@ -43,7 +46,7 @@ class ModelSection(Section):
     n_heads: int = doc_field(0, "Attention (query) heads, a divisor of dim; 0 = the named size's.")
     n_kv_heads: int = doc_field(0, "Key/value heads for grouped-query attention; 0 = the named size's (n_heads unless it says less).")
     ffn_hidden: int = doc_field(0, "SwiGLU hidden width; 0 = auto (the named size's, about 8/3 x dim).")
-    max_seq_len: int = doc_field(0, "Longest sequence the RoPE tables cover, >= data.seq_len; 0 = the named size's.")
+    max_seq_len: int = doc_field(0, "Longest sequence the RoPE tables cover, >= data.seq_len, at most 2**24; 0 = the named size's.")
     tie_embeddings: bool | None = doc_field(None, "Share one matrix between the token embedding and the output projection; 'auto' = the named size's.")
     rope_theta: float = doc_field(0.0, "RoPE base frequency; 0 = the named size's (10000 unless it says otherwise).")
     norm_eps: float = doc_field(0.0, "RMSNorm epsilon; 0 = the named size's (1e-5 unless it says otherwise).")
@@ -55,6 +58,7 @@ class ModelSection(Section):
         self.require("factory", not self.factory or bool(_FACTORY.match(self.factory)), "'' or 'pkg.module:function'")
         for name in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden", "max_seq_len"):
             self.at_least(name, 0, " (0 = the named size's)")
+        self.require("max_seq_len", self.max_seq_len <= MAX_SEQ_LEN, f"<= {MAX_SEQ_LEN} (2**24 tokens)")
         self.require("rope_theta", self.rope_theta >= 0, ">= 0 (0 = the named size's)")
         self.require("norm_eps", self.norm_eps >= 0, ">= 0 (0 = the named size's)")
         if self.dim and self.n_heads and self.dim % self.n_heads:
@@ -91,7 +95,7 @@ class DataSection(Section):
     section = "data"
     path: str = doc_field("", "'' = the corpus built into meshrun; else a token directory from `meshrun data prepare`, or a .txt file.")
     tokenizer: str = doc_field("byte", "'byte' = one token per UTF-8 byte (vocab 256); else a local Hugging Face tokenizer directory (tokenizer.json + tokenizer_config.json: its eos ends each document) or a tokenizer.json.")
-    seq_len: int = doc_field(128, "Tokens per training sample (the context length).")
+    seq_len: int = doc_field(128, "Tokens per training sample (the context length), at most 2**24.")
     val_fraction: float = doc_field(0.05, "Share of the data held out for eval loss, 0 < x < 0.5.")
     shuffle: bool = doc_field(True, "Reshuffle the sample order every epoch (seeded by train.seed).")
     num_workers: int = doc_field(0, "DataLoader worker processes per rank; 0 = load in the training process.")
@@ -99,6 +103,7 @@ class DataSection(Section):
     def validate(self) -> None:
         self.require("tokenizer", bool(self.tokenizer.strip()), "'byte', a tokenizer directory or a tokenizer.json file")
         self.at_least("seq_len", 1)
+        self.require("seq_len", self.seq_len <= MAX_SEQ_LEN, f"<= {MAX_SEQ_LEN} (2**24 tokens)")
         self.require("val_fraction", 0 < self.val_fraction < 0.5, "> 0 and < 0.5")
         self.at_least("num_workers", 0)
 
