@@ -49,6 +49,28 @@ def _usage() -> str:
     return USAGE.format(commands=rows)
 
 
+class Terminated(BaseException):
+    """SIGTERM before a command's own handling of it (torch's agent installs its own once it runs)."""
+
+
+def _stop_on_sigterm():
+    """SIGTERM raises Terminated (one line, exit 143) instead of killing the process mid-sentence,
+    where SIGTERM still has its default action (a caller may have its own). Returns what puts the
+    default back (main's caller may be a test in this process)."""
+    import signal
+
+    def stop(signum, frame) -> None:  # noqa: ANN001 - signal handler signature
+        raise Terminated
+
+    def restore() -> None:
+        if signal.getsignal(signal.SIGTERM) is stop:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+    if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, stop)
+    return restore
+
+
 def run() -> None:
     """The `meshrun` console script and `python -m meshrun`: main(), then a quick exit (see quick_exit)."""
     quick_exit(main())
@@ -109,7 +131,8 @@ def main(argv: list[str] | None = None) -> int:
         hint = f"; did you mean `meshrun {close[0]}`?" if close else ""
         print(f"meshrun: unknown command {name!r}{hint} (see `meshrun --help`)", file=sys.stderr)
         return 2
-    try:  # Ctrl-C during the (slow) imports is still one line
+    restore = _stop_on_sigterm()
+    try:  # Ctrl-C or SIGTERM during the (slow) imports and checks is still one line
         module = importlib.import_module(COMMANDS[name][0])
         return int(module.main(argv[1:]) or 0)
     except MeshrunError as exc:
@@ -118,6 +141,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"meshrun {name}: interrupted", file=sys.stderr)
         return 130
+    except Terminated:
+        print(f"meshrun {name}: stopped by SIGTERM", file=sys.stderr)
+        return 128 + 15
     except OSError as exc:  # a file the command could not read or write, that no check caught first
         if exc.filename is None:
             raise
@@ -130,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"meshrun {name}: error: {shown(exc.filename)}: {exc.strerror or exc}", file=sys.stderr)
         return 1 if exc.errno in MACHINE_ERRNOS else 2
     except BrokenPipeError:  # `meshrun diagnose --json | head`: the reader left; not an error of ours
-        import os
-
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
+    finally:
+        restore()

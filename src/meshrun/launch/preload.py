@@ -219,6 +219,7 @@ def preloaded_main(*argv: str) -> None:
     # What the forkserver imported is never garbage: the collector skips it from here on, so a
     # collection neither walks the whole inherited heap nor copies its pages (copy-on-write).
     gc.freeze()
+    os.setsid()  # a session of its own, as torch gives an exec'd worker: what it starts is found there (leftovers.py)
     _name_process()
     threads = parent_threads()
     os.environ["MESHRUN_FORKSERVER_THREADS"] = str(threads)  # recorded by the worker's first event

@@ -69,7 +69,8 @@ def run_agent(config: LaunchConfig, entrypoint, args: list[str], environ: Mappin
     quiet: torchelastic's INFO/WARNING chatter buries the user's output; errors still show.
     """
     with scoped_environ(environ), _quiet_loggers(quiet), _plain_failure_records(), agent_store(config), \
-            _tolerant_error_files(), _quiet_master_port(config), _workers_released_on_close():
+            _tolerant_error_files(), _quiet_master_port(config), _workers_released_on_close(), \
+            _leftovers_ended():
         elastic_launch(config=config, entrypoint=entrypoint)(*args)
 
 
@@ -183,6 +184,38 @@ def _workers_released_on_close() -> Iterator[None]:
         yield
     finally:
         MultiprocessContext._close = original
+
+
+@contextlib.contextmanager
+def _leftovers_ended() -> Iterator[None]:
+    """While the agent runs, closing an attempt's workers also ends what they started (leftovers.py).
+
+    torch's `PContext` starts and closes each attempt's workers, on success, failure, restart and
+    stop alike; the workers' pids are read when they start, and what is left in their sessions
+    is stopped once torch has closed them.
+    """
+    from torch.distributed.elastic.multiprocessing.api import PContext
+
+    from meshrun.launch.leftovers import end_sessions
+
+    start, close = PContext.start, PContext.close
+
+    def started(self) -> None:  # noqa: ANN001 - torch's signature
+        start(self)
+        with contextlib.suppress(Exception):  # a context that failed to start has no pids
+            self._meshrun_workers = dict(self.pids())
+
+    def closed(self, *args, **kwargs) -> None:  # noqa: ANN001, ANN002, ANN003 - torch's signature
+        try:
+            close(self, *args, **kwargs)
+        finally:
+            end_sessions(getattr(self, "_meshrun_workers", {}))
+
+    PContext.start, PContext.close = started, closed
+    try:
+        yield
+    finally:
+        PContext.start, PContext.close = start, close
 
 
 def _error_file_readable(path: str) -> bool:

@@ -1,6 +1,6 @@
 """Process trees by pid: a process's descendants, `meshrun launch`'s workers among them, and
 kill_tree, which stops a whole tree (never by name). For tests and benchmarks that start jobs.
-Linux /proc; standard library only.
+Linux /proc; standard library only (meshrun.launch.leftovers is too).
 """
 
 from __future__ import annotations
@@ -9,6 +9,8 @@ import os
 import signal
 import time
 from pathlib import Path
+
+from meshrun.launch.leftovers import processes_in, running
 
 
 def descendants(pid: int) -> list[int]:
@@ -45,18 +47,8 @@ def worker_pids(pid: int) -> list[int]:
 
 
 def group_members(pgid: int) -> list[int]:
-    """The processes of process group `pgid` still running (zombies left out: an orphan's zombie
-    may wait for a reaper that never comes). A job started with start_new_session is one group."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
-            except (OSError, IndexError):
-                continue
-            if len(fields) > 3 and fields[3] == str(pgid) and fields[0] not in ("Z", "X"):
-                found.append(int(entry))
-    return found
+    """The processes of process group `pgid` still running. A job started with start_new_session is one group."""
+    return processes_in(group=pgid)
 
 
 def _cmdline(pid: int) -> bytes:
@@ -64,15 +56,6 @@ def _cmdline(pid: int) -> bytes:
         return Path(f"/proc/{pid}/cmdline").read_bytes()
     except OSError:
         return b""
-
-
-def _running(pid: int) -> bool:
-    """Alive and not a zombie (an orphan's zombie may wait for a reaper that never comes)."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return False
-    return state not in ("Z", "X")
 
 
 def kill_tree(pid: int, tracker_grace: float = 5.0) -> None:
@@ -93,9 +76,9 @@ def kill_tree(pid: int, tracker_grace: float = 5.0) -> None:
                 pass
     deadline = time.monotonic() + tracker_grace
     for tracker in trackers:
-        while _running(tracker) and time.monotonic() < deadline:
+        while running(tracker) and time.monotonic() < deadline:
             time.sleep(0.02)
-        if _running(tracker):
+        if running(tracker):
             try:
                 os.kill(tracker, signal.SIGKILL)
             except ProcessLookupError:
