@@ -64,23 +64,27 @@ def test_an_unsupported_model_type_lists_the_supported_ones(tmp_path):
     with pytest.raises(ConfigError, match=r"data.seq_len=65 is longer than model.hf=.* \(max_position_embeddings=64\)"):
         _before_torch(tmp_path, f"model.hf={path}", "data.seq_len=65")
     (path / "config.json").write_text("{not json")
-    with pytest.raises(ConfigError, match="not readable JSON"):
+    with pytest.raises(ConfigError, match="is not valid JSON"):
         _before_torch(tmp_path, f"model.hf={path}")
 
 
 def test_tensor_parallel_rules_of_an_hf_model_are_checked_before_launch(tmp_path):
+    from conftest import save_tiny_hf
+
     from meshrun.train.preflight import check_with_torch
 
     plan = {"layers.*.self_attn.q_proj": "colwise", "layers.*.self_attn.o_proj": "rowwise",
             "layers.*.mlp.gate_proj": "colwise_gather_output"}
-    path = _hf_dir(tmp_path, {**QWEN3, "base_model_tp_plan": plan})
+    path = save_tiny_hf(tmp_path / "qwen3", "qwen3")  # real weights: the checks read their headers too
+    saved = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**saved, "base_model_tp_plan": plan}))
     tp2 = [f"model.hf={path}", "data.seq_len=32", "parallel.strategy=fsdp", "parallel.dp_replicate=1", "parallel.tp=2"]
     with pytest.raises(ConfigError, match=r"parallel.sequence_parallel=true is not offered for model.hf="):
         check_with_torch(load_config(None, [*tp2, "parallel.sequence_parallel=true"]), nproc_per_node="2")
     with pytest.raises(ConfigError, match=r"\{'mlp.gate_proj': 'colwise_gather_output'\} are not supported"):
         check_with_torch(load_config(None, tp2), nproc_per_node="2")
     check_with_torch(load_config(None, tp2[:2]), nproc_per_node="2")  # DDP: the TP plan is not read
-    (path / "config.json").write_text(json.dumps(QWEN3))  # the plan left to the transformers class
+    (path / "config.json").write_text(json.dumps(saved))  # the plan left to the transformers class
     check_with_torch(load_config(None, tp2), nproc_per_node="2")  # the workers check the built config's
     with pytest.raises(ConfigError, match=r"parallel.sequence_parallel=true is not offered"):
         check_with_torch(load_config(None, [*tp2, "parallel.sequence_parallel=true"]), nproc_per_node="2")

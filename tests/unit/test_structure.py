@@ -249,3 +249,20 @@ def test_no_module_over_the_ceiling():
     sizes = {str(p.relative_to(SRC)): len(p.read_text().splitlines()) for p in PACKAGE.rglob("*.py")}
     over = {path: n for path, n in sizes.items() if n > MAX_LINES}
     assert not over, f"modules over {MAX_LINES} lines (does each hold one job?): {over}"
+
+
+def test_every_hugging_face_load_refuses_remote_code():
+    """No code from data: every `from_pretrained` in src/ passes trust_remote_code=False, so a
+    directory's own modelling code never runs, and transformers never asks on stdout."""
+    import ast
+
+    found = []
+    for path in sorted(SRC.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
+                    and node.func.attr == "from_pretrained":
+                refused = any(k.arg == "trust_remote_code" and isinstance(k.value, ast.Constant)
+                              and k.value.value is False for k in node.keywords)
+                if not refused:
+                    found.append(f"{path.relative_to(SRC.parent)}:{node.lineno}")
+    assert not found, f"from_pretrained without trust_remote_code=False: {found}"

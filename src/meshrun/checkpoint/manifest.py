@@ -169,8 +169,29 @@ def write_latest(root: Path, name: str) -> None:
         raise
 
 
+LATEST_LIMIT = 4096  # a checkpoint's directory name and a newline
+
+
 def read_latest(root: Path) -> str | None:
+    """The name `latest` points at; None when it is missing or is not what write_latest writes (a
+    FIFO or a device in its place would block or never end: only a small regular file is read)."""
+    import stat
+
     try:
-        return (root / LATEST).read_text().strip() or None
+        with open(root / LATEST, "rb", opener=_no_block) as fp:
+            if not stat.S_ISREG(os.fstat(fp.fileno()).st_mode):
+                return None
+            data = fp.read(LATEST_LIMIT + 1)
     except OSError:
         return None
+    if len(data) > LATEST_LIMIT:
+        return None
+    try:
+        return data.decode("utf-8").strip() or None
+    except UnicodeDecodeError:
+        return None
+
+
+def _no_block(path: str, flags: int) -> int:
+    """Open without waiting: a FIFO opened for reading would wait for a writer."""
+    return os.open(path, flags | os.O_NONBLOCK)

@@ -15,6 +15,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from meshrun.errors import ConfigError
 from meshrun.launch.torchrun_flags import OneLineParser
 
 
@@ -37,6 +38,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
+    try:  # bytes that are not UTF-8 reach Python's argv as lone surrogates
+        args.prompt.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ConfigError(f"--prompt is not UTF-8 text (character {exc.start}); "
+                          "give the prompt in UTF-8 (check the terminal's or the script's encoding)") from None
     from meshrun.trained.generate import Sampler, generate_text, load
 
     sampler = Sampler(args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed)

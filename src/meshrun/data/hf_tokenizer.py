@@ -13,6 +13,7 @@ from pathlib import Path
 
 from meshrun.errors import DataError
 from meshrun.extras import missing_extra_message
+from meshrun.runtime.inputs import user_file
 
 TOKENIZER_JSON = "tokenizer.json"
 # Where transformers records the special tokens. tokenizer_config.json wins, as in transformers 5
@@ -60,6 +61,9 @@ def special_tokens(directory: Path) -> dict[str, tuple[str, Path]]:
     return found
 
 
+TOKENIZER_LIMIT = 256 << 20  # the largest tokenizer.json of 2026's open models is ~35 MB
+
+
 class HFTokenizer:
     """A Hugging Face tokenizer directory, or a lone `tokenizer.json` (then eos is found by name)."""
 
@@ -73,11 +77,15 @@ class HFTokenizer:
         except ImportError:
             raise DataError(missing_extra_message("tokenizers", f"data.tokenizer={str(path)!r}")
                             + " (or pip install tokenizers), or use data.tokenizer=\"byte\"") from None
+        # a regular file (a FIFO would block the reader for ever), of a size a tokenizer can be
+        user_file("data.tokenizer", self.json_path, limit=TOKENIZER_LIMIT,
+                  fix="give a tokenizer directory saved by save_pretrained, a tokenizer.json or \"byte\"")
         try:
             self._tok = _Tokenizer.from_file(str(self.json_path))
         except Exception as exc:  # the Rust side raises a plain Exception
             first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-            raise DataError(f"cannot read tokenizer file {self.json_path}: {first}") from None
+            raise DataError(f"data.tokenizer={str(self.json_path)!r} cannot be read as a tokenizer: {first[:200]}; "
+                            "give a tokenizer.json that tokenizers can load (save_pretrained writes one)") from None
         self._vocab_size = int(self._tok.get_vocab_size(with_added_tokens=True))
         vocab = self._tok.get_vocab(with_added_tokens=True)
         self._special: dict[str, int | None] = dict.fromkeys(SPECIAL_KEYS)

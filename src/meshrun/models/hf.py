@@ -51,7 +51,7 @@ def _hf_config(path: str) -> Any:
         from transformers import AutoConfig
     except ImportError:
         raise ModelError(missing_extra_message("transformers", "model.hf")) from None
-    return AutoConfig.from_pretrained(path, local_files_only=True)
+    return AutoConfig.from_pretrained(path, local_files_only=True, trust_remote_code=False)
 
 
 class HFCausalLM(nn.Module):

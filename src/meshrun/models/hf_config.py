@@ -15,6 +15,7 @@ from typing import Any
 
 from meshrun.errors import ConfigError, shown
 from meshrun.models.args import ModelArgs
+from meshrun.runtime.inputs import read_json
 
 CONFIG_FILE = "config.json"
 
@@ -37,13 +38,7 @@ def read_hf_config(path: str) -> dict[str, Any]:
     if not is_dir:
         raise ConfigError(f"{where} is not a directory; give a local directory with config.json and "
                           "*.safetensors (e.g. from save_pretrained)")
-    try:
-        config = json.loads((root / CONFIG_FILE).read_text())
-    except FileNotFoundError:
-        raise ConfigError(f"{where} has no {CONFIG_FILE}; give the directory save_pretrained wrote") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ConfigError(f"{where}: {CONFIG_FILE} is not readable JSON ({type(exc).__name__}: "
-                          f"{' '.join(str(exc).split())})") from None
+    config = read_json("model.hf", root / CONFIG_FILE, fix="give the directory save_pretrained wrote")
     if not isinstance(config, dict):
         raise ConfigError(f"{where}: {CONFIG_FILE} holds {type(config).__name__}, not a JSON object")
     kind = config.get("model_type")
@@ -53,7 +48,42 @@ def read_hf_config(path: str) -> dict[str, Any]:
     if not any(root.glob("*.safetensors")):
         raise ConfigError(f"{where} has no *.safetensors weights; save the model with "
                           "save_pretrained(DIR) (safe_serialization, the default)")
+    _check_shape_keys(config, where)
     return config
+
+
+# config.json keys the model's shape is read from: (key, required). All positive integers.
+SHAPE_INTS = (("vocab_size", True), ("hidden_size", True), ("num_hidden_layers", True),
+              ("num_attention_heads", True), ("intermediate_size", True), ("num_key_value_heads", False),
+              ("max_position_embeddings", False), ("head_dim", False))
+SHAPE_FLOATS = ("rope_theta", "rms_norm_eps")
+
+
+def _check_shape_keys(config: dict[str, Any], where: str) -> None:
+    """The keys the shape is read from hold what transformers writes there: one line otherwise."""
+    fix = "fix config.json or save the model again with save_pretrained"
+    for key, required in SHAPE_INTS:
+        value = config.get(key)
+        if value is None and not required:
+            continue
+        if value is None:
+            raise ConfigError(f"{where}: {CONFIG_FILE} has no {key!r}; {fix}")
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigError(f"{where}: {CONFIG_FILE} {key}={json.dumps(value)[:60]} is not a positive integer; {fix}")
+    for key in SHAPE_FLOATS:
+        value = config.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0):
+            raise ConfigError(f"{where}: {CONFIG_FILE} {key}={json.dumps(value)[:60]} is not a number >= 0; {fix}")
+    rope = config.get("rope_parameters")
+    if rope is not None and not isinstance(rope, dict):
+        raise ConfigError(f"{where}: {CONFIG_FILE} rope_parameters={json.dumps(rope)[:60]} is not an object; {fix}")
+    theta = (rope or {}).get("rope_theta")
+    if theta is not None and (isinstance(theta, bool) or not isinstance(theta, (int, float)) or theta <= 0):
+        raise ConfigError(f"{where}: {CONFIG_FILE} rope_parameters.rope_theta={json.dumps(theta)[:60]} "
+                          f"is not a positive number; {fix}")
+    tie = config.get("tie_word_embeddings")
+    if tie is not None and not isinstance(tie, bool):
+        raise ConfigError(f"{where}: {CONFIG_FILE} tie_word_embeddings={json.dumps(tie)[:60]} is not true or false; {fix}")
 
 
 def model_args_from_hf(path: str, vocab_size: int | None = None) -> ModelArgs:

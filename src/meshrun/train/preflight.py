@@ -19,7 +19,8 @@ value and the fix (exit 2):
    10. model.factory runs and returns a torch.nn.Module (on the meta device when it can)
    11. the whole layout for this world (parallel/resolve.py), and model.hf's TP plan
    12. train.compile = true has a C++ compiler and a layout it can compile
-   13. --resume PATH and model.init_from fit this model's names and shapes (built on meta)
+   13. --resume PATH and model.init_from fit this model's names and shapes (built on meta);
+       model.hf's safetensors are regular files with valid headers and floating-point tensors
 
 After them cli/train.py checks the log directory and takes the run directory's lock.
 """
@@ -95,8 +96,8 @@ def check_with_torch(cfg: JobConfig, *, nproc_per_node: str, nnodes: str = "1") 
 
 
 def _check_checkpoints(cfg: JobConfig, vocab_size: int) -> None:
-    """--resume PATH and model.init_from against this model's names and shapes, built on the meta
-    device by the checks (shapes only; init_from is not loaded)."""
+    """--resume PATH, model.init_from and model.hf's safetensors against this model's names and
+    shapes, built on the meta device by the checks (shapes only; no weight is loaded)."""
     from meshrun.checkpoint.export import check_init_from
     from meshrun.checkpoint.verify import check_resume
     from meshrun.models.factory import build_model
@@ -106,6 +107,13 @@ def _check_checkpoints(cfg: JobConfig, vocab_size: int) -> None:
 
     check_resume(cfg.checkpoint.resume, model_to_check)
     check_init_from(cfg.model.init_from, model_to_check)
+    if cfg.model.hf:
+        from meshrun.models.hf_load import check_hf_weights, hf_state_dict
+        from meshrun.models.meta import on_meta
+
+        with on_meta():  # shapes only: on a real device the build would load the very files checked here
+            expected = {name: tuple(t.shape) for name, t in hf_state_dict([model_to_check()]).items()}
+        check_hf_weights(cfg.model.hf, expected)
 
 
 def check_hf_dir(cfg: JobConfig) -> None:

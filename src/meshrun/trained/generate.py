@@ -155,11 +155,18 @@ def _load_hf_dir(transformers, path: Path) -> Loaded:
 
     if not (path / "tokenizer.json").is_file():
         raise ConfigError(f"{path} has no tokenizer.json; meshrun generate needs the model's tokenizer there")
+    from meshrun.models.hf_load import check_hf_weights
+    from meshrun.runtime.inputs import read_json
+
+    config = read_json("model.hf", path / "config.json", fix="give the directory save_pretrained wrote")
+    if not isinstance(config, dict):
+        raise ConfigError(f"{path}/config.json holds {type(config).__name__}, not a JSON object")
+    check_hf_weights(str(path))  # regular files, valid headers: a FIFO or a corrupt file is one line
     bar = transformers.utils.logging.is_progress_bar_enabled()
     transformers.utils.logging.disable_progress_bar()  # stdout/stderr carry the text, not a loading bar
     try:
-        model = transformers.AutoModelForCausalLM.from_pretrained(str(path))
-    except (OSError, ValueError, KeyError) as exc:
+        model = transformers.AutoModelForCausalLM.from_pretrained(str(path), trust_remote_code=False)
+    except Exception as exc:  # noqa: BLE001 - transformers and safetensors raise many types for a bad directory
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         raise ConfigError(f"{path} does not load as a Hugging Face causal LM: {first}") from None
     finally:
