@@ -50,24 +50,61 @@ def _usage() -> str:
 
 
 class Terminated(BaseException):
-    """SIGTERM before a command's own handling of it (torch's agent installs its own once it runs)."""
+    """SIGTERM before a command's own handling of it (_stop_on_signals)."""
 
 
-def _stop_on_sigterm():
-    """SIGTERM raises Terminated (one line, exit 143) instead of killing the process mid-sentence,
-    where SIGTERM still has its default action (a caller may have its own). Returns what puts the
-    default back (main's caller may be a test in this process)."""
+def _stop_on_signals():
+    """Ctrl-C (SIGINT) and SIGTERM before a command's own handling of them (torch's agent installs
+    its own once it runs): KeyboardInterrupt (one line, exit 130) and Terminated (one line, exit 143)
+    instead of a process killed mid-sentence. Never inside an import: an exception raised there
+    leaves a half-imported C extension behind (numpy: "cannot load module more than once per
+    process", and a traceback), so the signal waits until the import is done (re-checked every
+    50 ms on SIGALRM). Only where the handlers are still Python's defaults; returns what puts them back.
+    """
     import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():  # only the main thread sets handlers
+        return lambda: None
+    pending: list[int] = []
+
+    def importing(frame) -> bool:  # noqa: ANN001 - a frame
+        while frame is not None:
+            if frame.f_code.co_filename.startswith("<frozen importlib"):
+                return True
+            frame = frame.f_back
+        return False
 
     def stop(signum, frame) -> None:  # noqa: ANN001 - signal handler signature
-        raise Terminated
+        if importing(frame):
+            pending[:] = [signum]
+            signal.setitimer(signal.ITIMER_REAL, 0.05)
+            return
+        pending.clear()
+        raise KeyboardInterrupt if signum == signal.SIGINT else Terminated
+
+    def again(signum, frame) -> None:  # noqa: ANN001 - signal handler signature
+        if not pending:
+            return
+        if signal.getsignal(pending[0]) is stop:
+            stop(pending[0], frame)
+        else:  # the command handles it now (torch's agent): deliver it there
+            os.kill(os.getpid(), pending.pop())
+
+    defaults = {signal.SIGINT: signal.default_int_handler, signal.SIGTERM: signal.SIG_DFL,
+                signal.SIGALRM: signal.SIG_DFL}
+    ours = {signal.SIGINT: stop, signal.SIGTERM: stop, signal.SIGALRM: again}
+    installed = [sig for sig, default in defaults.items() if signal.getsignal(sig) is default]
+    for sig in installed:
+        signal.signal(sig, ours[sig])
 
     def restore() -> None:
-        if signal.getsignal(signal.SIGTERM) is stop:
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        if signal.SIGALRM in installed:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+        for sig in installed:
+            if signal.getsignal(sig) is ours[sig]:
+                signal.signal(sig, defaults[sig])
 
-    if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
-        signal.signal(signal.SIGTERM, stop)
     return restore
 
 
@@ -131,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
         hint = f"; did you mean `meshrun {close[0]}`?" if close else ""
         print(f"meshrun: unknown command {name!r}{hint} (see `meshrun --help`)", file=sys.stderr)
         return 2
-    restore = _stop_on_sigterm()
+    restore = _stop_on_signals()
     try:  # Ctrl-C or SIGTERM during the (slow) imports and checks is still one line
         module = importlib.import_module(COMMANDS[name][0])
         return int(module.main(argv[1:]) or 0)

@@ -168,6 +168,7 @@ def _serve(listener_fd: int, alive_r: int) -> None:
         for sig in signal.valid_signals():
             if sig not in (signal.SIGINT, signal.SIGKILL, signal.SIGSTOP) and callable(signal.getsignal(sig)):
                 signal.signal(sig, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # what the workers get back (forkserver.main)
         os.environ[SERVER_VAR] = "launcher"  # each worker records where it was forked from
         from multiprocessing import forkserver
 
