@@ -91,7 +91,7 @@ def test_ctrl_c_ends_with_one_line(tmp_path):
 
 # torch's agent waits this long for stopped workers to exit before it SIGKILLs them
 # (MultiprocessContext._close). Forked workers that had saved and returned used to wait that
-# long for the agent's "result read" event (launch/torch_elastic.py _workers_released_on_close).
+# long for the agent's "result read" event (a stopped worker now exits at once: launch/preload.py stopped_by_agent).
 TORCH_CLOSE_TIMEOUT_S = 30
 
 

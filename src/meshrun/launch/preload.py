@@ -232,8 +232,25 @@ def preloaded_main(*argv: str) -> None:
 
     code = run(list(argv))
     _run_exit_handlers()  # what interpreter exit does for a Popen'd worker; a forked child skips atexit
+    if _stopped:
+        # The agent stopped the job (SIGTERM/SIGINT): it waits for this process to exit, not for a
+        # result. Returned, the worker would wait in torch's `_wrap` for a "result read" event that
+        # torch sets only when every worker has returned, until the agent SIGKILLs it 30 s later.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
     if code:
         raise SystemExit(code)
+
+
+_stopped = False
+
+
+def stopped_by_agent() -> None:
+    """The worker is ending because its agent stopped the job (a preemption checkpoint is committed):
+    a forked worker then exits at once instead of handing back a result (preloaded_main)."""
+    global _stopped
+    _stopped = True
 
 
 def parent_threads() -> int:

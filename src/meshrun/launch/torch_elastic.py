@@ -69,8 +69,7 @@ def run_agent(config: LaunchConfig, entrypoint, args: list[str], environ: Mappin
     quiet: torchelastic's INFO/WARNING chatter buries the user's output; errors still show.
     """
     with scoped_environ(environ), _quiet_loggers(quiet), _plain_failure_records(), agent_store(config), \
-            _tolerant_error_files(), _quiet_master_port(config), _workers_released_on_close(), \
-            _leftovers_ended():
+            _tolerant_error_files(), _quiet_master_port(config), _leftovers_ended():
         elastic_launch(config=config, entrypoint=entrypoint)(*args)
 
 
@@ -155,35 +154,6 @@ def _tolerant_error_files() -> Iterator[None]:
         yield
     finally:
         ProcessFailure.__post_init__ = original
-
-
-@contextlib.contextmanager
-def _workers_released_on_close() -> Iterator[None]:
-    """While the agent runs, stopping forked workers lets the ones that have returned exit at once.
-
-    A worker started as a Python callable (meshrun train's, forked from the preloaded server)
-    hands its result back and then waits in torch's `_wrap` for the agent to say it has read it
-    (`_worker_finished_event`). torch 2.13 sets that event only when every worker has returned.
-    When the agent stops the workers instead (SIGTERM or Ctrl-C to `meshrun train`: they save a
-    checkpoint and return), its `_close` sends the signal and waits for them to exit, which they
-    never do until it SIGKILLs them 30 s later. Setting the event first ends that wait: a returned
-    worker exits, one still running exits when it returns.
-    """
-    from torch.distributed.elastic.multiprocessing.api import MultiprocessContext
-
-    original = MultiprocessContext._close
-
-    def close(self, *args, **kwargs) -> None:  # noqa: ANN001, ANN002, ANN003 - torch's signature
-        event = getattr(self, "_worker_finished_event", None)
-        if event is not None:
-            event.set()
-        original(self, *args, **kwargs)
-
-    MultiprocessContext._close = close
-    try:
-        yield
-    finally:
-        MultiprocessContext._close = original
 
 
 @contextlib.contextmanager

@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None, steps=None) -> int:
     if done is not None:  # e.g. the agent restarted the workers after the end: never train it again
         print(f"meshrun train: {run_dir} has finished (step {done}); not training it again", file=sys.stderr)
         return 0
-    from meshrun.launch.preload import SERVER_VAR
+    from meshrun.launch.preload import SERVER_VAR, stopped_by_agent
 
     forked = os.environ.get("MESHRUN_FORKSERVER_THREADS")  # set by a pre-imported worker (launch/preload.py)
     events.record(run_dir, "worker_start", time=started, proc_start=events.process_start_time(),
@@ -77,6 +77,7 @@ def main(argv: list[str] | None = None, steps=None) -> int:
         if env.is_main:
             print(f"meshrun train: {exc}; re-run the same command to continue", file=sys.stderr)
         session.shutdown()
+        stopped_by_agent()  # a forked worker exits now, not after torch's 30 s (launch/preload.py)
         return 0
     except MeshrunError as exc:
         # Bad input found on the workers (data file, model factory): one line, exit 2.
