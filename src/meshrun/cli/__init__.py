@@ -49,61 +49,41 @@ def _usage() -> str:
     return USAGE.format(commands=rows)
 
 
-class Terminated(BaseException):
-    """SIGTERM before a command's own handling of it (_stop_on_signals)."""
+TERMINATED_EXIT = 128 + 15
 
 
-def _stop_on_signals():
-    """Ctrl-C (SIGINT) and SIGTERM before a command's own handling of them (torch's agent installs
-    its own once it runs): KeyboardInterrupt (one line, exit 130) and Terminated (one line, exit 143)
-    instead of a process killed mid-sentence. Never inside an import: an exception raised there
-    leaves a half-imported C extension behind (numpy: "cannot load module more than once per
-    process", and a traceback), so the signal waits until the import is done (re-checked every
-    50 ms on SIGALRM). Only where the handlers are still Python's defaults; returns what puts them back.
-    """
+def _exit_on_sigterm(name: str):
+    """SIGTERM before a command's own handling of it (torch's agent installs its own once it runs):
+    one line and exit 143 at once, instead of a process killed without a word. No exception is
+    raised: one raised asynchronously can land inside an import (a half-imported C extension) or
+    in code that ignores it. Nothing needs undoing at that point: the checks create nothing, a
+    claimed run directory's lock is taken over by the next run, and the preloaded server exits
+    when this process does. Only in this process (a forked child gets the default back) and only
+    where SIGTERM has its default action; returns what puts it back."""
     import signal
     import threading
 
-    if threading.current_thread() is not threading.main_thread():  # only the main thread sets handlers
+    if threading.current_thread() is not threading.main_thread() \
+            or signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
         return lambda: None
-    pending: list[int] = []
-
-    def importing(frame) -> bool:  # noqa: ANN001 - a frame
-        while frame is not None:
-            if frame.f_code.co_filename.startswith("<frozen importlib"):
-                return True
-            frame = frame.f_back
-        return False
+    owner = os.getpid()
 
     def stop(signum, frame) -> None:  # noqa: ANN001 - signal handler signature
-        if importing(frame):
-            pending[:] = [signum]
-            signal.setitimer(signal.ITIMER_REAL, 0.05)
+        if os.getpid() != owner:  # a forked child (a Pool worker, say): the default action
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
             return
-        pending.clear()
-        raise KeyboardInterrupt if signum == signal.SIGINT else Terminated
+        try:
+            sys.stdout.flush()
+            os.write(2, f"meshrun {name}: stopped by SIGTERM\n".encode())
+        finally:
+            os._exit(TERMINATED_EXIT)
 
-    def again(signum, frame) -> None:  # noqa: ANN001 - signal handler signature
-        if not pending:
-            return
-        if signal.getsignal(pending[0]) is stop:
-            stop(pending[0], frame)
-        else:  # the command handles it now (torch's agent): deliver it there
-            os.kill(os.getpid(), pending.pop())
-
-    defaults = {signal.SIGINT: signal.default_int_handler, signal.SIGTERM: signal.SIG_DFL,
-                signal.SIGALRM: signal.SIG_DFL}
-    ours = {signal.SIGINT: stop, signal.SIGTERM: stop, signal.SIGALRM: again}
-    installed = [sig for sig, default in defaults.items() if signal.getsignal(sig) is default]
-    for sig in installed:
-        signal.signal(sig, ours[sig])
+    signal.signal(signal.SIGTERM, stop)
 
     def restore() -> None:
-        if signal.SIGALRM in installed:
-            signal.setitimer(signal.ITIMER_REAL, 0)
-        for sig in installed:
-            if signal.getsignal(sig) is ours[sig]:
-                signal.signal(sig, defaults[sig])
+        if signal.getsignal(signal.SIGTERM) is stop:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
     return restore
 
@@ -168,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
         hint = f"; did you mean `meshrun {close[0]}`?" if close else ""
         print(f"meshrun: unknown command {name!r}{hint} (see `meshrun --help`)", file=sys.stderr)
         return 2
-    restore = _stop_on_signals()
+    restore = _exit_on_sigterm(name)
     try:  # Ctrl-C or SIGTERM during the (slow) imports and checks is still one line
         module = importlib.import_module(COMMANDS[name][0])
         return int(module.main(argv[1:]) or 0)
@@ -178,9 +158,6 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"meshrun {name}: interrupted", file=sys.stderr)
         return 130
-    except Terminated:
-        print(f"meshrun {name}: stopped by SIGTERM", file=sys.stderr)
-        return 128 + 15
     except OSError as exc:  # a file the command could not read or write, that no check caught first
         if exc.filename is None:
             raise
