@@ -181,3 +181,24 @@ def test_hostile_files_are_refused_in_one_line_before_anything_starts(base, tmp_
         shutil.rmtree(case, ignore_errors=True)
     print(f"\nhostile files: {CASES} cases, all refused in one line, exit 2, nothing created: "
           + ", ".join(f"{k} {v}" for k, v in sorted(outcomes.items())))
+
+
+def test_a_latest_pointer_that_is_not_a_small_text_file_reads_as_none(tmp_path):
+    """`latest` as a FIFO (would block), a device (never ends), binary or oversized: no pointer."""
+    from meshrun.checkpoint.manifest import LATEST, read_latest, write_latest
+
+    write_latest(tmp_path, "step-00000005")
+    assert read_latest(tmp_path) == "step-00000005"  # the real thing still reads
+    for make in (lambda p: os.mkfifo(p), lambda p: p.symlink_to("/dev/zero"),
+                 lambda p: p.write_bytes(b"\xff\xfe step"), lambda p: p.write_text("x" * 5000)):
+        (tmp_path / LATEST).unlink()
+        make(tmp_path / LATEST)
+        assert read_latest(tmp_path) is None
+
+
+def test_a_prompt_that_is_not_utf8_is_one_line(capsys):
+    from meshrun.cli import main
+
+    assert main(["generate", "runs/none", "--prompt", "caf\udce9"]) == 2  # bytes b"caf\xe9" from a latin-1 terminal
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "--prompt is not UTF-8 text" in err, err
