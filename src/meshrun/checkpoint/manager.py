@@ -34,6 +34,7 @@ from meshrun.checkpoint import manifest as mf
 from meshrun.checkpoint import safe_load, selection
 from meshrun.checkpoint import write_fault as wf
 from meshrun.checkpoint.preemption import Preempted, PreemptionSignals, write_marker
+from meshrun.checkpoint.retire import retire
 from meshrun.checkpoint.samples import SampleLog
 from meshrun.checkpoint.snapshot import Snapshots
 from meshrun.checkpoint.state import (
@@ -95,7 +96,7 @@ class Checkpointer:
         chosen = None
         if self.env.is_main:
             self.root.mkdir(parents=True, exist_ok=True)
-            selection.drop_uncommitted(self.root)
+            selection.drop_uncommitted(self.root, session=self.session)
             try:
                 found = selection.choose(self.root, self.cfg.resume, session=self.session)
                 chosen = None if found is None else str(found)
@@ -247,8 +248,8 @@ class Checkpointer:
         final = self.root / mf.step_dir_name(step)
         try:
             mf.write_manifest(tmp, step=step, layout=self.layout, session=self.session, time=time.time())
-            if final.exists():
-                shutil.rmtree(final)  # the same step saved again (a redone step after a restart)
+            if final.exists():  # the same step saved again (a redone step after a restart)
+                retire(final, f"step {step} was saved again", tag=self.session)
             os.replace(tmp, final)
             mf.write_latest(self.root, final.name)
         except OSError as exc:
@@ -256,7 +257,7 @@ class Checkpointer:
                 raise
             raise self._write_failed(exc, tmp, needed) from None
         for old in mf.committed(self.root)[self.cfg.keep:]:
-            shutil.rmtree(old, ignore_errors=True)
+            retire(old, f"older than the last {self.cfg.keep} (checkpoint.keep)", tag=self.session)
         logger.info("meshrun: checkpoint %s committed", final)
 
 

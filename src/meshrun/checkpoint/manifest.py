@@ -28,6 +28,11 @@ CHECKPOINTS = "checkpoints"
 TRAIN_STATE = "train_state.pt"
 DCP_METADATA = ".metadata"
 _COMMITTED = re.compile(r"^step-(\d{8})$")
+ABANDONED = ".abandoned-"
+# Every file a save writes into its directory (torch's DCP files, meshrun's own): a directory that
+# holds only these is meshrun's own, and only such a one is ever deleted (checkpoint/retire.py).
+_OWN_FILE = re.compile(r"^(\.metadata(\.tmp)?|__\d+(_\d+\.distcp|\.metadata(\.tmp)?)|train_state\.pt|"
+                       r"manifest\.json(\.tmp)?|rng/rank-\d{5}\.pt)$")
 
 
 class CheckpointError(MeshrunError):
@@ -54,7 +59,7 @@ def uncommitted(root: Path) -> list[Path]:
     """Temporary directories of writes that never committed (a crash or kill mid-save)."""
     if not root.is_dir():
         return []
-    return sorted(p for p in root.iterdir() if p.is_dir() and ".tmp-" in p.name)
+    return sorted(p for p in root.iterdir() if p.is_dir() and ".tmp-" in p.name and ABANDONED not in p.name)
 
 
 def _sha256(path: Path) -> str:
@@ -136,6 +141,25 @@ def problem(ckpt: Path, *, checksums: bool = True) -> str | None:
         return str(exc)
     except OSError as exc:
         return f"{ckpt} is unreadable ({exc})"
+    return None
+
+
+def foreign_files(ckpt: Path) -> list[Path]:
+    """Files under `ckpt` that no save writes (a user's export, a note): [] for meshrun's own directory."""
+    return [p for p in sorted(Path(ckpt).rglob("*"))
+            if not p.is_dir() and not _OWN_FILE.match(p.relative_to(ckpt).as_posix())]
+
+
+def holder(path: Path) -> Path | None:
+    """The checkpoint, or run's checkpoints/ directory, that `path` is or lies inside; None if none.
+    A file written there changes what a resume reads, or marks a checkpoint invalid."""
+    try:
+        here = Path(path).expanduser().resolve()
+    except (OSError, RuntimeError):
+        return None
+    for p in (here, *here.parents):
+        if is_checkpoint(p) or (p.name == CHECKPOINTS and ((p / LATEST).exists() or committed(p))):
+            return p
     return None
 
 

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 from pathlib import Path
 
 from meshrun.checkpoint import manifest as mf
+from meshrun.checkpoint.retire import retire, set_aside
 
 logger = logging.getLogger(__name__)
 
@@ -39,8 +39,7 @@ def abandon_after(root: Path, step: int, why: str, *, session: int, keep: Path |
     """Later checkpoints of this run belong to another timeline: rename them so auto never picks them."""
     for later in mf.committed(root):
         if int(later.name.split("-")[1]) > step and (keep is None or later.resolve() != keep.resolve()):
-            target = later.with_name(f"{later.name}.abandoned-{session}")
-            later.rename(target)
+            target = set_aside(later, tag=session)
             logger.warning("meshrun: %s: renamed the checkpoint %s to %s so that restarts never return to it",
                            why, later.name, target.name)
 
@@ -54,11 +53,11 @@ def latest_valid(root: Path) -> Path | None:
     return None
 
 
-def drop_uncommitted(root: Path) -> None:
+def drop_uncommitted(root: Path, *, session: int) -> None:
     for tmp in mf.uncommitted(root):
         logger.warning("meshrun: ignoring incomplete checkpoint %s (the write never committed); removing it",
                        tmp.name)
-        shutil.rmtree(tmp, ignore_errors=True)
+        retire(tmp, "an incomplete checkpoint", tag=session)
 
 
 def resume_by_step(resume: str, run_dir: Path | None) -> str:

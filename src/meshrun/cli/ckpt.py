@@ -113,8 +113,9 @@ def main(argv: list[str]) -> int:
     out = Path(args.out)
     if out.is_dir():
         raise ConfigError(f"{out} is a directory; --format {args.format} writes one file: give a file name")
-    if (out.exists() or out.is_symlink()) and not args.force:
-        raise ConfigError(f"{out} exists; give a new file name, or --force to replace it")
+    from meshrun.checkpoint.outputs import check_output
+
+    check_output("OUT", out, inputs=[args.ckpt], force=args.force)
     from meshrun.checkpoint.export import export
 
     shapes = export(Path(args.ckpt), Path(args.out), fmt=args.format)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from meshrun.cli.argtypes import positive_int
 from meshrun.errors import MeshrunError
@@ -57,7 +58,8 @@ def build_parser(prog: str = "meshrun data") -> argparse.ArgumentParser:
     prep.add_argument("inputs", nargs="+", metavar="INPUT",
                       help="text, .jsonl/.json, .parquet files or save_to_disk directories, in this order")
     prep.add_argument("--out", required=True, metavar="DIR",
-                      help="output directory (created; an existing token directory is overwritten)")
+                      help="output directory (created; a token directory prepared before is replaced; "
+                           "never inside a checkpoint or an input)")
     prep.add_argument("--tokenizer", default="byte", metavar="SPEC",
                       help='"byte" (default: UTF-8 bytes + <eos>, vocab 259), a local Hugging Face tokenizer '
                            "directory (tokenizer.json + tokenizer_config.json: its eos ends each document) "
@@ -73,6 +75,8 @@ def build_parser(prog: str = "meshrun data") -> argparse.ArgumentParser:
                       help="hold out the last F of the tokens for eval, in [0, 1); recorded in meta.json "
                            "and used instead of data.val_fraction (default: not recorded, so "
                            "data.val_fraction decides)")
+    prep.add_argument("--force", action="store_true",
+                      help="replace a tokens.bin or meta.json in DIR that data prepare did not write")
     return parser
 
 
@@ -92,6 +96,7 @@ def _prepare(args: argparse.Namespace) -> int:
     from meshrun.data.tokenizer import load_tokenizer
     from meshrun.data.tokens import TOKENS_FILE
 
+    _check_out(args)
     tokenizer = load_tokenizer(args.tokenizer)
     workers = effective_workers(tokenizer, args.workers or available_cores())
     meta = prepare_tokens(args.inputs, args.out, tokenizer, val_fraction=args.val_fraction,
@@ -104,3 +109,23 @@ def _prepare(args: argparse.Namespace) -> int:
     print(f"train on it with: meshrun train --set data.path={args.out}"
           + ("" if tokenizer.spec == "byte" else f" --set data.tokenizer={tokenizer.spec}"))
     return 0
+
+
+def _check_out(args: argparse.Namespace) -> None:
+    """--out is never an input or inside one, never in a checkpoint; its files only replaced if ours."""
+    from meshrun.checkpoint.outputs import check_output
+    from meshrun.data.tokenizer import BYTE_SPEC
+    from meshrun.data.tokens import META_FILE, TOKENS_FILE, read_meta
+
+    out = Path(args.out).expanduser()
+
+    def prepared_here(_path: Path) -> bool:  # an earlier prepare's directory: its meta.json reads
+        try:
+            read_meta(out)
+        except MeshrunError:
+            return False
+        return True
+
+    inputs = [*args.inputs, *([] if args.tokenizer.strip() in ("", BYTE_SPEC) else [args.tokenizer])]
+    check_output("--out", out, inputs=inputs, writes=[out / TOKENS_FILE, out / META_FILE], force=args.force,
+                 ours=prepared_here)

@@ -52,6 +52,11 @@ def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     from meshrun.report import write_report
 
+    if args.out is not None:  # its images and report.html never land inside a checkpoint
+        from meshrun.checkpoint.outputs import check_output
+
+        check_output("--out", args.out, writes=[], force=True)
+
     report = write_report(args.run_dir, args.out, image_format=args.image_format)
     images = ", ".join(path.name for path in report.images)
     print(f"meshrun report: wrote {report.html} ({images})")

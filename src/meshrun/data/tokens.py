@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 from meshrun.data.sources import text_chunks
 from meshrun.data.tokenizer import ByteTokenizer, Tokenizer
 from meshrun.errors import DataError
+from meshrun.runtime.inputs import read_text
 
 if TYPE_CHECKING:  # torch is imported where tokens are read: `meshrun data prepare` never needs it
     import torch
@@ -108,8 +109,8 @@ def read_meta(path: str | Path) -> TokenMeta:
     _check_dir(path)
     meta_path = path / META_FILE
     try:
-        raw = json.loads(meta_path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raw = json.loads(read_text("data.path", meta_path, fix=REPREPARE_HINT))
+    except (json.JSONDecodeError, RecursionError) as exc:
         raise _corrupt(meta_path, f"not valid JSON ({exc})") from None
     if not isinstance(raw, dict) or raw.get("format") != FORMAT:
         raise _corrupt(meta_path, f"not a meshrun token meta file (format should be {FORMAT!r})")

@@ -65,10 +65,15 @@ def check_out(out: Path, force: bool) -> None:
 def export_hf(ckpt: Path, out: Path, *, max_shard_size: str = DEFAULT_MAX_SHARD, force: bool = False) -> dict:
     """Write CKPT (a checkpoint, or a run directory) as a Hugging Face directory at OUT; returns a summary."""
     max_bytes = parse_size(max_shard_size)  # bad options and a taken OUT: one line before torch is imported
-    check_out(Path(out), force)
+    from meshrun.checkpoint.outputs import check_output
     from meshrun.trained.model_source import open_source
 
-    return write_hf(open_source(Path(ckpt)), Path(out), max_bytes=max_bytes)
+    check_output("OUT", out, inputs=[ckpt], writes=[], force=force)  # never in a checkpoint or an input
+    check_out(Path(out), force)
+    source = open_source(Path(ckpt))
+    if source.hf_dir:  # the Hugging Face directory the run started from is an input too
+        check_output("OUT", out, inputs=[source.hf_dir], writes=[], force=force)
+    return write_hf(source, Path(out), max_bytes=max_bytes)
 
 
 def write_hf(source, out: Path, *, max_bytes: int) -> dict:
