@@ -45,3 +45,38 @@ def test_a_running_thread_gets_the_normal_exit(tmp_path):
     assert result.returncode == 7, result.output
     assert "thread finished" in result.stdout and out.read_text() == "every byte", result.output
     assert "torn down" in result.stdout, result.output  # Python's own exit
+
+
+def test_ctrl_c_during_start_up_is_one_line_and_exit_130_at_every_moment(tmp_path):
+    """SIGINT to the whole group (a terminal's Ctrl-C) while `meshrun train` imports and checks:
+    one line, exit 130, at once, nothing left running. A KeyboardInterrupt raised there landed in
+    an import (a traceback, exit 1 after 9 s) or was swallowed and the run went on to finish."""
+    import os
+    import signal
+    import subprocess
+    import time
+
+    from conftest import BIN, TINY, child_env
+
+    from meshrun.testing.processes import group_members, kill_tree
+
+    for delay in (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.8):
+        proc = subprocess.Popen([str(BIN / "meshrun"), "train", TINY, "--set", "train.steps=2",
+                                 "--set", f"train.run_dir={tmp_path}", "--set", "train.name=ctrl_c"],
+                                cwd=tmp_path, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True, start_new_session=True)
+        try:
+            time.sleep(delay)
+            os.killpg(proc.pid, signal.SIGINT)
+            _, err = proc.communicate(timeout=20)
+            left = time.monotonic() + 5
+            while group_members(proc.pid) and time.monotonic() < left:
+                time.sleep(0.05)
+            assert not group_members(proc.pid), f"Ctrl-C after {delay} s: left running {group_members(proc.pid)}"
+        finally:
+            kill_tree(proc.pid)
+            if proc.poll() is None:
+                proc.communicate()
+        where = f"Ctrl-C after {delay} s: exit {proc.returncode}\n{err}"
+        lines = err.strip().splitlines()
+        assert proc.returncode == 130 and len(lines) == 1 and lines[0].startswith("meshrun train: interrupted"), where

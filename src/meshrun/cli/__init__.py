@@ -50,40 +50,53 @@ def _usage() -> str:
 
 
 TERMINATED_EXIT = 128 + 15
+INTERRUPTED_EXIT = 128 + 2
+# Commands whose start-up only checks (nothing to undo): Ctrl-C there ends them at once too, never
+# as a KeyboardInterrupt that can land inside an import (numpy turns one into an ImportError and a
+# traceback). The others keep Python's KeyboardInterrupt: their work removes its partial files.
+STOP_AT_ONCE_ON_SIGINT = ("train", "launch")
 
 
-def _exit_on_sigterm(name: str):
-    """SIGTERM before a command's own handling of it (torch's agent installs its own once it runs):
-    one line and exit 143 at once, instead of a process killed without a word. No exception is
-    raised: one raised asynchronously can land inside an import (a half-imported C extension) or
-    in code that ignores it. Nothing needs undoing at that point: the checks create nothing, a
-    claimed run directory's lock is taken over by the next run, and the preloaded server exits
-    when this process does. Only in this process (a forked child gets the default back) and only
-    where SIGTERM has its default action; returns what puts it back."""
+def _stop_at_once(name: str):
+    """SIGTERM (and, for STOP_AT_ONCE_ON_SIGINT, SIGINT) before a command's own handling of it
+    (torch's agent installs its own once it runs): one line and exit 143 (130) at once, instead of a
+    process killed without a word or a traceback. No exception is raised: one raised
+    asynchronously can land inside an import (a half-imported C extension) or in code that ignores
+    it. Nothing needs undoing at that point: the checks create nothing, a claimed run directory's
+    lock is taken over by the next run, and the preloaded server exits when this process does.
+    Only in this process (a forked child gets the default back), only on the main thread, and only
+    where the signal has Python's default handling; returns what puts them back."""
     import signal
     import threading
 
-    if threading.current_thread() is not threading.main_thread() \
-            or signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+    if threading.current_thread() is not threading.main_thread():
         return lambda: None
+    defaults = {signal.SIGTERM: signal.SIG_DFL, signal.SIGINT: signal.default_int_handler}
+    wanted = [signal.SIGTERM] + ([signal.SIGINT] if name in STOP_AT_ONCE_ON_SIGINT else [])
     owner = os.getpid()
 
     def stop(signum, frame) -> None:  # noqa: ANN001 - signal handler signature
         if os.getpid() != owner:  # a forked child (a Pool worker, say): the default action
-            signal.signal(signum, signal.SIG_DFL)
+            signal.signal(signum, defaults[signum])
+            if signum == signal.SIGINT:
+                raise KeyboardInterrupt
             os.kill(os.getpid(), signum)
             return
         try:
             sys.stdout.flush()
-            os.write(2, f"meshrun {name}: stopped by SIGTERM\n".encode())
+            why = "interrupted (Ctrl-C)" if signum == signal.SIGINT else "stopped by SIGTERM"
+            os.write(2, f"meshrun {name}: {why}\n".encode())
         finally:
-            os._exit(TERMINATED_EXIT)
+            os._exit(INTERRUPTED_EXIT if signum == signal.SIGINT else TERMINATED_EXIT)
 
-    signal.signal(signal.SIGTERM, stop)
+    taken = [sig for sig in wanted if signal.getsignal(sig) is defaults[sig]]
+    for sig in taken:
+        signal.signal(sig, stop)
 
     def restore() -> None:
-        if signal.getsignal(signal.SIGTERM) is stop:
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        for sig in taken:
+            if signal.getsignal(sig) is stop:
+                signal.signal(sig, defaults[sig])
 
     return restore
 
@@ -148,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
         hint = f"; did you mean `meshrun {close[0]}`?" if close else ""
         print(f"meshrun: unknown command {name!r}{hint} (see `meshrun --help`)", file=sys.stderr)
         return 2
-    restore = _exit_on_sigterm(name)
+    restore = _stop_at_once(name)
     try:  # Ctrl-C or SIGTERM during the (slow) imports and checks is still one line
         module = importlib.import_module(COMMANDS[name][0])
         return int(module.main(argv[1:]) or 0)
@@ -157,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
         return exc.exit_code
     except KeyboardInterrupt:
         print(f"meshrun {name}: interrupted", file=sys.stderr)
-        return 130
+        return INTERRUPTED_EXIT
     except OSError as exc:  # a file the command could not read or write, that no check caught first
         if exc.filename is None:
             raise
