@@ -4,13 +4,16 @@
 and raises one LaunchError line naming the flag, the value and the fix: ranges (ports 1-65535,
 finite timeouts), formats (--tee, --rdzv-conf, --signals-to-handle), feasibility (--log-dir
 creatable, rendezvous hosts resolvable within seconds, a held static port, several nodes with no
-endpoint). No directory is created; the only network use is a bounded name lookup and a bind().
+endpoint), and the machine's shared memory (the agent's worker queues need a POSIX semaphore in
+/dev/shm: a full one fails inside torch with a traceback). No directory is created; the only
+network use is a bounded name lookup and a bind().
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+import os
 import re
 import signal
 import socket
@@ -69,6 +72,27 @@ def check_launch_options(options: argparse.Namespace, environ: Mapping[str, str]
     elif (environ or {}).get(HANG_TIMEOUT_ENV, "").strip():
         finite_seconds(environ[HANG_TIMEOUT_ENV], f"${HANG_TIMEOUT_ENV}", example="300")
     _check_endpoint_reachable(options, high)
+    check_shared_memory()
+
+
+def check_shared_memory() -> None:
+    """A semaphore can be made (and is released at once), as torch's agent makes one per worker queue."""
+    import errno
+    import multiprocessing
+
+    try:
+        multiprocessing.get_context("spawn").Lock()
+    except OSError as exc:
+        if exc.errno not in (errno.ENOSPC, errno.ENOMEM, errno.EACCES, errno.EROFS):
+            raise
+        try:
+            info = os.statvfs("/dev/shm")
+            free = f" ({info.f_bavail * info.f_frsize // 1024} KiB free of {info.f_blocks * info.f_frsize // 1024} KiB)"
+        except OSError:
+            free = ""
+        raise LaunchError(f"/dev/shm cannot hold a semaphore{free}: {exc.strerror}; the workers' queues need "
+                          "one each: free space there (df -h /dev/shm; ls -la /dev/shm), or give the container "
+                          "more (docker run --shm-size=8g, or --ipc=host)") from None
 
 
 def _check_rendezvous_flags(options: argparse.Namespace, max_nodes: int) -> None:
