@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -83,6 +84,46 @@ def test_plain_torchrun_script_runs_the_same_under_meshrun_and_torchrun(tmp_path
         assert torch.equal(a[key], b[key]), key  # same seeds, same sampler: bit-identical training
     losses = lambda out: re.findall(r"epoch \d loss=[\d.]+", out)  # noqa: E731
     assert losses(ours.stdout) == losses(theirs.stdout) and len(losses(ours.stdout)) == 3
+
+
+MAIN_PROBE = """\
+import json, os, sys, traceback
+os.chdir(sys.argv[1])  # then find a file next to the script, as pytorch/examples' scripts do
+with open(os.path.join(os.path.dirname(__file__), "data.txt")) as fp:
+    data = fp.read()
+print("probe", json.dumps({
+    "argv0": sys.argv[0], "file": __file__, "loader": type(__loader__).__name__,
+    "loader_name": __loader__.name, "spec": repr(__spec__), "package": repr(__package__),
+    "builtins": type(__builtins__).__name__, "path0": sys.path[0], "data": data,
+    "line": traceback.extract_stack(limit=1)[0].line,  # the frame's own file, read after the chdir
+}), flush=True)
+"""
+
+
+def test_a_script_sees_main_as_under_torchrun_and_python(tmp_path):
+    # torchrun runs `python -u script.py`: __file__ absolute, a SourceFileLoader, sys.argv[0] as
+    # given. A script that changes directory and then opens a file next to it from __file__ must
+    # work the same under meshrun, given by a relative path from another directory.
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "probe.py").write_text(MAIN_PROBE)
+    (tmp_path / "sub" / "data.txt").write_text("beside the script")
+    for name in ("run", "elsewhere/deeper"):  # ../sub/data.txt exists from run/, not from deeper/
+        (tmp_path / name).mkdir(parents=True)
+    args = [str(Path("..") / "sub" / "probe.py"), str(tmp_path / "elsewhere" / "deeper")]
+    plain = run_proc([sys.executable, *args], cwd=tmp_path / "run", timeout=30)
+    theirs = run_proc([str(BIN / "torchrun"), "--nproc-per-node", "1", *args], cwd=tmp_path / "run", timeout=60)
+    ours = meshrun("launch", "--nproc-per-node", "1", *args, cwd=tmp_path / "run", timeout=60)
+    for result in (plain, theirs, ours):
+        assert result.returncode == 0, result.output
+    probe = lambda out: json.loads(re.search(r"^(?:\[rank 0\] )?probe (.*)$", out, re.M).group(1))  # noqa: E731
+    expected = probe(plain.stdout)
+    assert probe(theirs.stdout) == expected, theirs.output
+    assert probe(ours.stdout) == expected, ours.output
+    assert expected["file"] == str(tmp_path.resolve() / "run" / ".." / "sub" / "probe.py")  # absolute, as given
+    assert expected["argv0"] == args[0]
+    assert expected["loader"] == "SourceFileLoader" and expected["loader_name"] == "__main__"
+    assert expected["data"] == "beside the script" and expected["line"]  # its source found after the chdir
+    assert expected["path0"] == str((tmp_path / "sub").resolve())
 
 
 def test_two_jobs_started_together_both_succeed(tmp_path):

@@ -7,6 +7,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from meshrun.launch.spec import WORKER_MAIN
 
 FIRST_LINE = """\
@@ -45,3 +47,46 @@ def test_a_raising_script_leaves_its_error_file(tmp_path):
     record = json.loads(error_file.read_text())["meshrun"]
     assert (record["type"], record["text"], record["line"], record["rank"]) == ("ValueError", "bad batch", 2, "0")
     assert record["file"] == str(tmp_path / "script.py")
+
+
+MAIN_STATE = """\
+import json, sys
+print(json.dumps({"argv": sys.argv, "file": __file__, "loader": type(__loader__).__name__,
+                  "package": __package__, "builtins": type(__builtins__).__name__, "path0": sys.path[0],
+                  "names": sorted(k for k in globals() if k.startswith("__"))}))
+"""
+
+
+def _zipapp(directory, source: str):
+    import zipapp
+
+    (directory / "app").mkdir()
+    (directory / "app" / "__main__.py").write_text(source)
+    zipapp.create_archive(directory / "app", directory / "app.pyz")
+    return "app.pyz"
+
+
+@pytest.mark.parametrize("layout", ["symlink", "no_extension", "zipapp"])
+def test_main_is_what_python_makes_of_the_target(tmp_path, layout):
+    # `python target` is the reference (torchrun runs it): a symlinked script's sys.path[0] is its
+    # real directory, a script without .py is still source, a zip application is first on sys.path.
+    (tmp_path / "real").mkdir()
+    (tmp_path / "real" / "main.py").write_text(MAIN_STATE)
+    if layout == "symlink":
+        (tmp_path / "link.py").symlink_to(tmp_path / "real" / "main.py")
+        target = "link.py"
+    elif layout == "no_extension":
+        (tmp_path / "main").write_text(MAIN_STATE)
+        target = "main"
+    else:
+        target = _zipapp(tmp_path, MAIN_STATE)
+    env = {"PATH": "/usr/bin:/bin"}
+    run = lambda *cmd: subprocess.run([sys.executable, *cmd, target, "x"], env=env, cwd=tmp_path,  # noqa: E731
+                                      capture_output=True, text=True, timeout=60)
+    plain, ours = run(), run("-u", WORKER_MAIN)
+    assert plain.returncode == 0 and ours.returncode == 0, plain.stderr + ours.stderr
+    expected, got = json.loads(plain.stdout), json.loads(ours.stdout)
+    if layout == "zipapp":  # runpy runs it, and names it by its absolute path in sys.argv[0] meanwhile
+        assert got["argv"] == [str(tmp_path.resolve() / target), "x"]
+        got["argv"] = expected["argv"]
+    assert got == expected

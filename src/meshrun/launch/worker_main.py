@@ -178,19 +178,63 @@ def _install_debug() -> None:
             sys.meta_path.insert(0, _DebugWhenTorchImports())
 
 
-def _run_script(path: str) -> None:
-    """`runpy.run_path(path, run_name="__main__")` for a .py file, as `python path` runs it.
+def _script_file(target: str) -> str:
+    """What `python target` makes `__main__.__file__` (Python >= 3.9): absolute, joined to the
+    working directory as given, not normalised or resolved (`/cwd/../x.py`, a symlink's own name).
+    A script that changes directory can still find its files from `__file__`, and its frames
+    (co_filename) still name a file that exists."""
+    return target if os.path.isabs(target) else os.path.join(os.getcwd(), target)
 
-    runpy and the pkgutil it imports cost more than a script's own start-up; a plain .py file
-    needs none of what they add (directories, zip files, compiled files still go through runpy).
+
+def _script_kind(path: str) -> str:
+    """How `python path` runs it: "source" (compiled from its text, .py or not), "compiled" (a .pyc)
+    or "archive" (a zip application or a directory: its __main__.py, the archive first on sys.path)."""
+    if path.endswith(".py") and os.path.isfile(path):
+        return "source"
+    if os.path.isdir(path):
+        return "archive"
+    if path.endswith(".pyc") or not os.path.isfile(path):
+        return "compiled"  # a missing file: runpy's error, as before
+    import importlib.util
+    import zipfile
+
+    with open(path, "rb") as fp:
+        if fp.read(len(importlib.util.MAGIC_NUMBER)) == importlib.util.MAGIC_NUMBER:
+            return "compiled"
+    return "archive" if zipfile.is_zipfile(path) else "source"
+
+
+def _main_globals() -> dict:
+    """What the interpreter puts in its own `__main__` before the script runs (pylifecycle's
+    add_main_module): `__builtins__` the builtins module, not its dict, and `__annotations__`
+    before Python 3.14."""
+    import builtins
+
+    return {"__annotations__": {}, "__builtins__": builtins} if sys.version_info < (3, 14) \
+        else {"__builtins__": builtins}
+
+
+def _run_script(path: str) -> None:
+    """`python path` for a source file: `__main__` as the interpreter makes it, not as runpy does.
+
+    runpy.run_path gives `__file__` as given (relative), no `__loader__` and `__package__ == ""`;
+    `python path`, which torchrun runs, gives an absolute `__file__`, a SourceFileLoader and
+    `__package__` None. runpy and the pkgutil it imports also cost more than a script's own start-up.
     """
     import io
     import types
 
-    with io.open_code(os.path.abspath(path)) as fp:
-        code = compile(fp.read(), path, "exec")
+    try:  # the interpreter's own loader class (importlib.machinery's), already loaded: no import to wait for
+        from _frozen_importlib_external import SourceFileLoader
+    except ImportError:  # not CPython
+        from importlib.machinery import SourceFileLoader
+
+    filename = _script_file(path)
+    with io.open_code(filename) as fp:
+        code = compile(fp.read(), filename, "exec")
     module = types.ModuleType("__main__")
-    module.__dict__.update(__file__=path, __cached__=None, __package__="")
+    module.__dict__.update(_main_globals(), __loader__=SourceFileLoader("__main__", filename),
+                           __file__=filename, __cached__=None)
     saved = sys.modules.get("__main__")
     sys.modules["__main__"] = module  # pickle and multiprocessing find the script's own __main__
     try:
@@ -213,21 +257,24 @@ def run(argv: list[str]) -> int:
     _install_debug()
     _hold_rank0_store()
     try:
+        sys.argv = [target, *args]  # as given, as `python target` leaves it (`-m`: runpy sets the file)
         if as_module:
-            sys.argv = [target, *args]
             sys.path[0] = os.getcwd()
             import runpy
 
-            runpy.run_module(target, run_name="__main__", alter_sys=True)
+            runpy.run_module(target, _main_globals(), run_name="__main__", alter_sys=True)
         else:
-            sys.argv = [target, *args]
-            sys.path[0] = os.path.dirname(os.path.abspath(target))
-            if target.endswith(".py") and os.path.isfile(target):
+            kind = _script_kind(target)
+            # The script's own directory, symlinks resolved, as Python computes sys.path[0]
+            sys.path[0] = os.path.dirname(os.path.realpath(target))
+            if kind == "source":
                 _run_script(target)
-            else:
+            else:  # rare: runpy, which sets sys.argv[0] to the absolute path while the target runs
                 import runpy
 
-                runpy.run_path(target, run_name="__main__")
+                if kind == "archive":
+                    del sys.path[0]  # run_path puts the archive itself there, as Python does
+                runpy.run_path(_script_file(target), _main_globals(), run_name="__main__")
     except SystemExit as exc:
         code = exc.code
         if code is None or code == 0:
