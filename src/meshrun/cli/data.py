@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from meshrun.argparser import Parser
 from meshrun.cli.argtypes import positive_int
 from meshrun.errors import MeshrunError
 
@@ -49,7 +50,7 @@ def _fraction(text: str) -> float:
 
 
 def build_parser(prog: str = "meshrun data") -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog=prog, description="Prepare training data.")
+    parser = Parser(prog=prog, description="Prepare training data.")
     sub = parser.add_subparsers(dest="action", required=True, metavar="{prepare}")
     prep = sub.add_parser("prepare", prog=f"{prog} prepare", description=DESCRIPTION, epilog=EPILOG,
                           formatter_class=argparse.RawDescriptionHelpFormatter,
