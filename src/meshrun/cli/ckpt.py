@@ -117,10 +117,11 @@ def main(argv: list[str]) -> int:
     if (out.exists() or out.is_symlink()) and not args.force:
         raise ConfigError(f"{out} exists; give a new file name, or --force to replace it")
     from meshrun.checkpoint.export import export
+    from meshrun.config import set_flag
 
     shapes = export(Path(args.ckpt), Path(args.out), fmt=args.format)
     print(f"wrote {args.out}: {len(shapes)} tensors ({args.format}); load it into the plain model with "
-          "load_state_dict, or train from it with --set model.init_from=" + args.out, file=sys.stderr)
+          "load_state_dict, or train from it with " + set_flag("model.init_from", args.out), file=sys.stderr)
     return 0
 
 

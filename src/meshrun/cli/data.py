@@ -87,6 +87,7 @@ def main(argv: list[str]) -> int:
 
 
 def _prepare(args: argparse.Namespace) -> int:
+    from meshrun.config import set_flag
     from meshrun.data.encode import available_cores, effective_workers
     from meshrun.data.prepare import prepare_tokens
     from meshrun.data.prepare_progress import PrepareProgress
@@ -102,6 +103,6 @@ def _prepare(args: argparse.Namespace) -> int:
     split = "" if meta.val_fraction is None else f", last {meta.val_fraction:g} held out for eval"
     print(f"wrote {meta.num_tokens:,} tokens ({meta.dtype}, {size_mb:.1f} MB) from {len(meta.sources)} "
           f"input(s) to {args.out}/{TOKENS_FILE}; vocab {meta.vocab_size} ({tokenizer.spec}){split}")
-    print(f"train on it with: meshrun train --set data.path={args.out}"
-          + ("" if tokenizer.spec == "byte" else f" --set data.tokenizer={tokenizer.spec}"))
+    print(f"train on it with: meshrun train {set_flag('data.path', args.out)}"
+          + ("" if tokenizer.spec == "byte" else f" {set_flag('data.tokenizer', tokenizer.spec)}"))
     return 0
