@@ -212,6 +212,109 @@ def test_override_key_and_type_errors(override, expected):
     assert error_of(load_config, None, [override]) == expected
 
 
+# --- --set takes a TOML value -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("override", [
+    'metrics.trackers=["tensorboard","mlflow"]',      # the array the trackers error shows
+    "metrics.trackers=['tensorboard', 'mlflow']",     # literal strings, spaces
+    'metrics.trackers = [ "tensorboard" ,\n "mlflow" ]',  # spaces and a line break, as TOML allows
+    "metrics.trackers=[tensorboard,mlflow]",          # what bash leaves of the array unquoted
+    "metrics.trackers=[tensorboard, 'mlflow']",
+    "metrics.trackers=tensorboard,mlflow",            # the comma form keeps working
+])  # fmt: skip
+def test_set_takes_a_toml_array_for_a_list_key(override):
+    assert load_config(None, [override]).metrics.tracker_names == ("tensorboard", "mlflow")
+
+
+def test_set_takes_an_empty_array_and_the_last_set_wins():
+    cfg = load_config(None, ['metrics.trackers=["wandb"]', "metrics.trackers=[]"])
+    assert cfg.metrics.tracker_names == () and cfg.metrics.trackers == ""
+
+
+@pytest.mark.parametrize(("key", "value"), [
+    ("optim.lr", "[1, 2]"),
+    ("optim.lr", "{ a = 1 }"),
+    ("train.steps", "[5]"),
+    ("data.shuffle", "[true]"),
+    ("train.name", '["a", "b"]'),
+    ("metrics.trackers", "[1, 2]"),
+    ("metrics.trackers", '[["tensorboard"]]'),
+    ("metrics.trackers", '["tensorboard", "neptune"]'),
+])  # fmt: skip
+def test_a_wrongly_typed_set_value_fails_as_the_same_value_in_a_file(tmp_path, key, value):
+    section, _, name = key.partition(".")
+    in_file = error_of(load_config, write(tmp_path, f"[{section}]\n{name} = {value}\n"))
+    assert error_of(load_config, None, [f"{key}={value}"]) == in_file
+    assert key in in_file
+
+
+@pytest.mark.parametrize(("override", "value"), [
+    ("train.name=x", "x"),
+    ("data.path=foo/bar", "foo/bar"),                 # not TOML: a string, as before
+    ("train.name=my run", "my run"),
+    ("train.name=123", "123"),                        # TOML reads a number: a string key keeps the text
+    ("train.name=2024-01-01", "2024-01-01"),          # ... or a date
+    ("train.name=true", "true"),
+    ("train.name=[a,b]", "[a,b]"),                    # not TOML, and not a list key: the text
+    ("train.name='it''s'", "it''s"),                  # not TOML: the text, outer quotes dropped
+    ('train.name="caf\\u00e9"', "caf\u00e9"),          # a TOML string: escapes as in a file
+])  # fmt: skip
+def test_set_a_string_key(override, value):
+    section, _, rest = override.partition(".")
+    name = rest.partition("=")[0]
+    assert getattr(getattr(load_config(None, [override]), section), name) == value
+
+
+def test_set_takes_toml_integer_spellings():
+    cfg = load_config(None, ["train.steps=0x10", "train.batch_size=0o10", "train.grad_accum=1_000"])
+    assert (cfg.train.steps, cfg.train.batch_size, cfg.train.grad_accum) == (16, 8, 1000)
+    assert load_config(None, ["optim.warmup_steps=0b11"]).optim.warmup_steps == 3
+
+
+def test_a_wrongly_typed_set_value_is_one_line_and_exit_2(capsys):
+    from meshrun.cli import main
+
+    assert main(["config", "show", "--set", "optim.lr=[1, 2]"]) == 2
+    err = capsys.readouterr().err
+    assert err == "meshrun config: error: optim.lr must be a number (e.g. 3e-4), got an array of 2 item(s)\n"
+
+
+def _set_args(text: str) -> list[str]:
+    """The `--set K=V` commands a message suggests, split as a shell would split them."""
+    import re
+    import shlex
+
+    found = re.findall(r"(--set (?:'[^']*'|\S+?))(?=[`\s)]|$)", text)
+    assert found, text
+    return [shlex.split(command)[1] for command in found]
+
+
+@pytest.mark.parametrize(("flag", "value", "key", "expected"), [
+    ("--steps", "20", "train.steps", 20),
+    ("--lr", "3e-4", "optim.lr", 3e-4),
+    ("--trackers", '["tensorboard", "mlflow"]', "metrics.trackers", "tensorboard,mlflow"),
+    ("--trackers", "tensorboard,mlflow", "metrics.trackers", "tensorboard,mlflow"),
+    ("--name", "my run", "train.name", "my run"),
+    ("--path", "data/my tok", "data.path", "data/my tok"),
+])  # fmt: skip
+def test_every_set_suggestion_is_accepted_by_set(flag, value, key, expected):
+    from meshrun.config import set_hint
+
+    args = [arg for arg in _set_args(set_hint(flag, value)) if arg.startswith(f"{key}=")]
+    section, _, name = key.partition(".")
+    assert [getattr(getattr(load_config(None, [arg]), section), name) for arg in args] == [expected]
+
+
+def test_the_trackers_error_suggests_what_set_takes():
+    msg = error_of(load_config, None, ["metrics.trackers=neptune"])
+    assert 'trackers = ["tensorboard", "mlflow"]' in msg  # the file's form, which --set takes too
+    assert load_config(None, ['metrics.trackers=["tensorboard", "mlflow"]']).metrics.tracker_names == (
+        "tensorboard", "mlflow")
+    for arg in _set_args(msg):  # and the command line's own form
+        assert load_config(None, [arg]).metrics.tracker_names == ("tensorboard", "mlflow")
+
+
 # --- range and choice checks: each names the key, the value and what is expected ----------
 
 

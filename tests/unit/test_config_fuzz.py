@@ -38,7 +38,8 @@ STRINGS = ["", "auto", "x" * 300, "a/b", "..", ".", "a\x00b", "os:system", "buil
            "bf16", "cosine", "gpipe", "1f1b", "ddp", "fsdp", "1:4", "0", "2", "c10d", "static", "foo",
            "HOST:29400", ":99999", ":", "host:abc", "127.0.0.1:0", "never", "byte", "x.json", " ", "é"]
 TEXTS = ["0", "1", "-1", "2", "1e9", "99999999999999999999", "abc", "", "nan", "inf", "1e308", "0x10",
-         " 5 ", "1_000", "true", "maybe", "auto", "'quoted'", "x" * 300, "/etc/passwd", "os:system", ":"]
+         " 5 ", "1_000", "true", "maybe", "auto", "'quoted'", "x" * 300, "/etc/passwd", "os:system", ":",
+         '["tensorboard", "mlflow"]', "[a, b]", "[1, [2]]", "{a = 1}", "0x10", "[" * 3000]
 FLAG_VALUES = ["0", "1", "2", "-1", "99999", "65535", "abc", "inf", "nan", "1e308", "", "HOST:29400",
                ":99999", ":", "host:abc", "127.0.0.1:0", "localhost:29400", "c10d", "static", "foo",
                "etcd", "/etc/passwd", "SIGFOO", "SIGTERM,SIGUSR1", "3", "0:3,1:2", "a=b", "x",

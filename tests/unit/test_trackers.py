@@ -42,7 +42,7 @@ def test_trackers_take_a_toml_array_or_a_comma_list_and_round_trip(tmp_path):
 @pytest.mark.parametrize(("trackers", "message"), [
     (["mlflow", "neptune"], "metrics.trackers: unknown tracker 'neptune'; choose from 'tensorboard', 'mlflow'"),
     ("wandb,wandb", "metrics.trackers names a tracker twice"),
-    ([1, 2], "metrics.trackers must be a string"),
+    ([1, 2], "metrics.trackers must be an array of strings (or one comma-separated string), got an array"),
 ])  # fmt: skip
 def test_bad_trackers_are_one_line(trackers, message):
     with pytest.raises(ConfigError) as info:

@@ -16,6 +16,7 @@ import json
 import sys
 from pathlib import Path
 
+from meshrun.argparser import Parser
 from meshrun.errors import ConfigError
 from meshrun.runtime.diskfault import human_bytes
 
@@ -23,9 +24,9 @@ HF_SHARD_DEFAULT = "2GB"  # transformers' save_pretrained default
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="meshrun ckpt", description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter,
-                                     epilog="\n\n".join(__doc__.split("\n\n")[1:]))
+    parser = Parser(prog="meshrun ckpt", description=__doc__.split("\n\n")[0],
+                    formatter_class=argparse.RawDescriptionHelpFormatter,
+                    epilog="\n\n".join(__doc__.split("\n\n")[1:]))
     sub = parser.add_subparsers(dest="action", required=True, metavar="{list,inspect,export}")
     p = sub.add_parser("list", help="a run's checkpoints: step, validity, size, which one is latest")
     p.add_argument("run", help="run directory (runs/NAME) or its checkpoints/ directory")
@@ -117,10 +118,11 @@ def main(argv: list[str]) -> int:
 
     check_output("OUT", out, inputs=[args.ckpt], force=args.force)
     from meshrun.checkpoint.export import export
+    from meshrun.config import set_flag
 
     shapes = export(Path(args.ckpt), Path(args.out), fmt=args.format)
     print(f"wrote {args.out}: {len(shapes)} tensors ({args.format}); load it into the plain model with "
-          "load_state_dict, or train from it with --set model.init_from=" + args.out, file=sys.stderr)
+          "load_state_dict, or train from it with " + set_flag("model.init_from", args.out), file=sys.stderr)
     return 0
 
 

@@ -8,9 +8,9 @@ checked as `meshrun train` would, except against the model's heads and blocks (t
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 
+from meshrun.argparser import Parser
 from meshrun.config import JobConfig, describe, load_config
 
 
@@ -35,7 +35,7 @@ def resolved(cfg: JobConfig) -> tuple[JobConfig, tuple[str, ...]]:
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="meshrun config",
         description="Print the fully resolved training config: every key, its value, its default "
                     "and its one-line doc, the parallel degrees resolved for the [launch] world "

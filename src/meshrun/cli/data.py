@@ -10,6 +10,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from meshrun.argparser import Parser
 from meshrun.cli.argtypes import positive_int
 from meshrun.errors import MeshrunError
 
@@ -50,7 +51,7 @@ def _fraction(text: str) -> float:
 
 
 def build_parser(prog: str = "meshrun data") -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog=prog, description="Prepare training data.")
+    parser = Parser(prog=prog, description="Prepare training data.")
     sub = parser.add_subparsers(dest="action", required=True, metavar="{prepare}")
     prep = sub.add_parser("prepare", prog=f"{prog} prepare", description=DESCRIPTION, epilog=EPILOG,
                           formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -90,6 +91,7 @@ def main(argv: list[str]) -> int:
 
 
 def _prepare(args: argparse.Namespace) -> int:
+    from meshrun.config import set_flag
     from meshrun.data.encode import available_cores, effective_workers
     from meshrun.data.prepare import prepare_tokens
     from meshrun.data.prepare_progress import PrepareProgress
@@ -106,8 +108,8 @@ def _prepare(args: argparse.Namespace) -> int:
     split = "" if meta.val_fraction is None else f", last {meta.val_fraction:g} held out for eval"
     print(f"wrote {meta.num_tokens:,} tokens ({meta.dtype}, {size_mb:.1f} MB) from {len(meta.sources)} "
           f"input(s) to {args.out}/{TOKENS_FILE}; vocab {meta.vocab_size} ({tokenizer.spec}){split}")
-    print(f"train on it with: meshrun train --set data.path={args.out}"
-          + ("" if tokenizer.spec == "byte" else f" --set data.tokenizer={tokenizer.spec}"))
+    print(f"train on it with: meshrun train {set_flag('data.path', args.out)}"
+          + ("" if tokenizer.spec == "byte" else f" {set_flag('data.tokenizer', tokenizer.spec)}"))
     return 0
 
 

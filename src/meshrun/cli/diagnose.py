@@ -6,14 +6,14 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 
+from meshrun.argparser import Parser
 from meshrun.diagnose.postmortem import diagnose, format_diagnosis
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="meshrun diagnose", description=__doc__.split("\n\n")[0],
         epilog="Prints a timeline across ranks, the rank that failed first, the classification (OOM, "
                "collective mismatch, hang, rendezvous timeout, port conflict, exception in user code, "

@@ -10,6 +10,8 @@ import json
 import sys
 import textwrap
 
+from meshrun.argparser import Parser
+
 DESCRIPTION = """\
 Check this machine for distributed PyTorch training and say how to fix what is wrong.
 
@@ -60,7 +62,7 @@ def _seconds(text: str) -> float:
 
 
 def build_parser(prog: str = "meshrun doctor") -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog=prog, description=DESCRIPTION, epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--json", action="store_true",

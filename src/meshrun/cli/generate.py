@@ -15,8 +15,8 @@ import argparse
 import sys
 from pathlib import Path
 
+from meshrun.argparser import OneLineParser
 from meshrun.errors import ConfigError
-from meshrun.launch.torchrun_flags import OneLineParser
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -15,6 +15,7 @@ import argparse
 from dataclasses import replace
 from math import prod
 
+from meshrun.argparser import Parser
 from meshrun.cli.argtypes import positive_int
 from meshrun.errors import ConfigError
 from meshrun.plan.memory import GIB, MemoryEstimate, Plan, candidates
@@ -44,10 +45,10 @@ def _gib(text: str) -> float:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="meshrun plan", epilog=EPILOG,
-                                description="Estimate per-rank training memory of every parallel "
-                                            "layout for a model and world size, and recommend one.",
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser(prog="meshrun plan", epilog=EPILOG,
+               description="Estimate per-rank training memory of every parallel "
+                           "layout for a model and world size, and recommend one.",
+               formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("config", nargs="?", help="TOML config; omitted = the defaults")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
     p.add_argument("--model", help="named size (tiny, small, base, 1b, 8b); default: the config's model")

@@ -8,6 +8,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from meshrun.argparser import Parser
+
 DESCRIPTION = """\
 Render a run's metrics as charts and one HTML page:
   loss.png        train loss and eval loss vs step
@@ -36,7 +38,7 @@ exit status: 0 when the report was written, 2 when the run cannot be read or wri
 
 
 def build_parser(prog: str = "meshrun report") -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog=prog, description=DESCRIPTION, epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("run_dir", metavar="RUN_DIR", help="A run directory, e.g. runs/<name>.")

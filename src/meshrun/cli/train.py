@@ -19,6 +19,7 @@ import sys
 import time
 from pathlib import Path
 
+from meshrun.argparser import OneLineParser, unknown_flag
 from meshrun.config import JobConfig, load_config, save_config, set_hint
 from meshrun.config.fault_section import is_torchft
 from meshrun.errors import ConfigError, LaunchError, shown
@@ -26,7 +27,6 @@ from meshrun.launch.args import build_parser as build_launch_parser
 from meshrun.launch.args import parse_nnodes
 from meshrun.launch.preload import one_thread_torch
 from meshrun.launch.spec import checked_options, launch_spec
-from meshrun.launch.torchrun_flags import OneLineParser
 from meshrun.rundir.runs import claim_run_dir
 from meshrun.train.preflight import check_before_torch, check_with_torch
 from meshrun.train.profile import parse_steps
@@ -150,14 +150,8 @@ def check_unknown_flags(parser: argparse.ArgumentParser, rest: list[str]) -> Non
         if not eq:
             following = rest[i + 1] if i + 1 < len(rest) else None
             value = following if following is not None and not following.startswith("--") else None
-        hint = set_hint(flag, value)
-        if hint is None:
-            import difflib
-
-            close = difflib.get_close_matches(flag, sorted(own | set(_launch_options())), n=1, cutoff=0.75)
-            hint = f"did you mean {close[0]}?" if close else None
-        fix = hint or "see `meshrun train --help` (config keys go in --set section.key=value)"
-        raise ConfigError(f"unknown option {flag}; {fix}")
+        raise ConfigError(unknown_flag(flag, [*own, *_launch_options()], hint=set_hint(flag, value),
+                                       fallback="see `meshrun train --help` (config keys go in --set section.key=value)"))
 
 
 def check_train_args(argv: list[str]) -> tuple[argparse.Namespace, JobConfig, argparse.Namespace, argparse.Namespace]:

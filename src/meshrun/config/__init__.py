@@ -20,6 +20,7 @@ from meshrun.config.loader import (
     load_config,
     parse_override,
     read_toml,
+    set_flag,
     set_hint,
     suggest_key,
 )
@@ -57,6 +58,7 @@ __all__ = [
     "parse_override",
     "read_toml",
     "save_config",
+    "set_flag",
     "set_hint",
     "suggest_key",
     "to_toml",

@@ -71,7 +71,8 @@ def expected(hint: Any) -> str:
 
 
 def parse_text(text: str, hint: Any, key: str) -> Any:
-    """A `--set key=TEXT` value as the field's type; errors say what the key expects."""
+    """A `--set key=TEXT` scalar as the field's type (arrays and tables: loader.override_value);
+    errors say what the key expects and show the text as typed."""
     raw = text.strip()
     typ, optional = unwrap(hint)
     if optional and raw.lower() == AUTO:
@@ -132,7 +133,8 @@ def coerce(value: Any, hint: Any, key: str, *, int_ok: bool = False, list_ok: bo
             quoted = " (a quoted string: write it without quotes)"
         except ConfigError:
             pass
-    raise ConfigError(f"{key} must be {expected(hint)}, got {fmt(value)}{quoted}")
+    what = "an array of strings (or one comma-separated string)" if list_ok and typ is str else expected(hint)
+    raise ConfigError(f"{key} must be {what}, got {fmt(value)}{quoted}")
 
 
 class Section:

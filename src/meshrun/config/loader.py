@@ -1,6 +1,10 @@
 """Load a JobConfig: TOML file, then `--set section.key=value` overrides, then validation.
 
     cfg = load_config("examples/configs/tiny.toml", ["optim.lr=3e-4", "train.dtype=bf16"])
+    load_config(None, ['metrics.trackers=["tensorboard", "mlflow"]'])   # a TOML value, lists included
+
+A `--set` value is TOML, as in a file (see override_value), and is checked where a file's is: by
+the section (config/base.py's coerce, then its validate()).
 """
 
 from __future__ import annotations
@@ -9,11 +13,12 @@ import dataclasses
 import difflib
 import os
 import re
+import shlex
 import sys
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from meshrun.config.base import field_types, fmt, parse_text
+from meshrun.config.base import field_types, fmt, parse_text, unwrap
 from meshrun.config.sections import SECTIONS, JobConfig
 from meshrun.errors import ConfigError
 
@@ -89,8 +94,52 @@ def config_from_dict(data: Mapping[str, Any], *, source: str = "") -> JobConfig:
     return JobConfig(**{name: cls(**data.get(name, {})) for name, cls in SECTIONS.items()})
 
 
+_NOT_TOML = object()
+
+
+def toml_literal(text: str) -> Any:
+    """`text` as one TOML value (what `v = TEXT` holds), or _NOT_TOML when it is not one."""
+    if tomllib is None or not text:
+        return _NOT_TOML
+    try:
+        doc = tomllib.loads(f"v = {text}")
+    except (ValueError, RecursionError):  # TOMLDecodeError is a ValueError
+        return _NOT_TOML
+    return doc["v"] if doc.keys() == {"v"} else _NOT_TOML  # not `1\nw = 2`: one value only
+
+
+def _unquote(word: str) -> str:
+    word = word.strip()
+    return word[1:-1] if len(word) >= 2 and word[0] == word[-1] and word[0] in "'\"" else word
+
+
+def override_value(raw: str, hint: Any, key: str, *, list_ok: bool = False) -> Any:
+    """One `--set` value, as TOML: an array or inline table is kept as a file's would be, so the
+    section checks it (and refuses it in the same words); a TOML string for a string key is that
+    string. Text that is not TOML for a list key, `[a, b]` (the shell ate the quotes of
+    `["a", "b"]`), is the list of its words. Anything else is the text as the key's type
+    (parse_text: true/yes/on/1, 3e-4, a bare word is a string, 'auto' for an optional key), or
+    TOML's number where only TOML reads it (0x10)."""
+    text = raw.strip()
+    value = toml_literal(text)
+    if isinstance(value, (list, dict)):
+        return value
+    if value is _NOT_TOML and list_ok and text.startswith("[") and text.endswith("]"):
+        return [word for word in map(_unquote, text[1:-1].split(",")) if word]
+    typ = unwrap(hint)[0]
+    if isinstance(value, str) and typ is str:
+        return value
+    try:
+        return parse_text(text, hint, key)  # its errors show the text as typed
+    except ConfigError:
+        if type(value) is int and typ in (int, float):
+            return value  # an integer only TOML spells so: 0x10, 0o17, 0b101
+        raise
+
+
 def parse_override(text: str) -> tuple[str, str, Any]:
-    """'optim.lr=3e-4' -> ('optim', 'lr', 0.0003), the value parsed as that field's type."""
+    """'optim.lr=3e-4' -> ('optim', 'lr', 0.0003): the value as TOML, else as that field's type
+    (override_value); the section checks it when the config is built."""
     m = _OVERRIDE.match(text)
     if not m:
         raise ConfigError(f"--set expects {OVERRIDE_FORM}, got {text!r}")
@@ -98,8 +147,15 @@ def parse_override(text: str) -> tuple[str, str, Any]:
     key = f"{section}.{name}"
     if section not in SECTIONS or name not in field_types(SECTIONS[section]):
         raise _unknown_key(key, f" in --set {text}")
-    value = parse_text(raw, field_types(SECTIONS[section])[name], key)
+    field = next(f for f in dataclasses.fields(SECTIONS[section]) if f.name == name)
+    value = override_value(raw, field_types(SECTIONS[section])[name], key,
+                           list_ok=field.metadata.get("list_ok", False))
     return section, name, value
+
+
+def set_flag(key: str, value: Any) -> str:
+    """`--set key=value` as a shell takes it: `--set 'metrics.trackers=[a,b]'`, `--set train.steps=20`."""
+    return "--set " + shlex.quote(f"{key}={value}")
 
 
 def merge_overrides(data: Mapping[str, Any], overrides: Iterable[str]) -> dict[str, Any]:
@@ -176,5 +232,5 @@ def set_hint(flag: str, value: str | None = None) -> str | None:
     if not keys:
         return None
     shown = value if value is not None else "VALUE"
-    options = " or ".join(f"`--set {key}={shown}`" for key in keys)
+    options = " or ".join(f"`{set_flag(key, shown)}`" for key in keys)
     return f"did you mean {options}?"

@@ -33,7 +33,8 @@ def check_tracker_names(text: str) -> None:
     for name in names:
         if name not in TRACKERS:
             raise ConfigError(f"{KEY}: unknown tracker {name!r}; choose from "
-                              f"{', '.join(map(repr, TRACKERS))} (e.g. trackers = [\"tensorboard\", \"mlflow\"])")
+                              f"{', '.join(map(repr, TRACKERS))} (e.g. trackers = [\"tensorboard\", \"mlflow\"] in a "
+                              f"config file, --set {KEY}=tensorboard,mlflow on the command line)")
     if len(set(names)) != len(names):
         raise ConfigError(f"{KEY} names a tracker twice, got {text!r}; name each once")
 

@@ -5,8 +5,8 @@ mistake costs a fraction of a second (benchmarks/reject_time.py). The flags, the
 defaults and `PET_*` environment defaults are torch 2.13's; tests/unit/test_launch_args.py compares
 this parser with torch's own, so a torch release that changes one fails there, not on a user.
 
-A parse error is one LaunchError line (`ArgumentParser.error` raises it) instead of argparse's
-usage block and SystemExit.
+A parse error is one LaunchError line (`meshrun.argparser.OneLineParser`, which names the nearest
+flag for an unknown one) instead of argparse's usage block and SystemExit.
 """
 
 from __future__ import annotations
@@ -14,17 +14,11 @@ from __future__ import annotations
 import argparse
 import os
 
+from meshrun.argparser import OneLineParser
 from meshrun.errors import LaunchError
 
 START_METHODS = ("spawn", "fork", "forkserver")
 NUMA_BINDINGS = ("node", "socket", "exclusive", "core-complex")  # torch.numa.binding.AffinityMode
-
-
-class OneLineParser(argparse.ArgumentParser):
-    """An ArgumentParser whose errors are one LaunchError line naming the fix, not a usage block."""
-
-    def error(self, message: str):  # type: ignore[override]
-        raise LaunchError(f"{message} (see `{self.prog} --help`)")
 
 
 class env(argparse.Action):
