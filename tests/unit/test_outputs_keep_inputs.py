@@ -166,7 +166,7 @@ def test_data_prepare_never_overwrites_an_input_or_a_file_it_did_not_write(tmp_p
     # a tokens.bin it did not write (no meta.json of its own beside it): only with --force
     (data / "tokens.bin").write_text("someone else's")
     code, err = _prepare([str(data / "corpus.txt"), "--out", str(data)], capsys)
-    assert code == 2 and "' exists, and this command did not write it" in err and "--force" in err
+    assert code == 2 and " exists, and this command did not write it" in err and "--force" in err
     assert (data / "tokens.bin").read_text() == "someone else's" and not (data / "meta.json").exists()
     assert _prepare([str(data / "corpus.txt"), "--out", str(data), "--force"], capsys)[0] == 0
     assert _prepare([str(data / "corpus.txt"), "--out", str(data)], capsys)[0] == 0  # its own: re-prepared
