@@ -39,7 +39,14 @@ def _wait(what: str, check, proc: subprocess.Popen, deadline: float, log: Path):
             pytest.fail(f"meshrun train exited ({proc.returncode}) before {what}:\n{log.read_text()[-4000:]}")
         time.sleep(0.05)
     kill_tree(proc.pid)
-    pytest.fail(f"no {what} within {DEADLINE_S}s:\n{log.read_text()[-4000:]}")
+    pytest.fail(f"no {what} within {DEADLINE_S}s:\n{log.read_text()[-4000:]}{_group_logs(log.parent)}")
+
+
+def _group_logs(tmp_path: Path) -> str:
+    """Group 1's `meshrun launch` output and its workers' logs: what the launcher's log never shows."""
+    found = sorted((tmp_path / "ft" / "torchft").glob("launch-g*.out"))
+    found += sorted(p for p in (tmp_path / "ft" / "logs").rglob("*") if p.is_file() and p.stat().st_size)
+    return "".join(f"\n--- {p.relative_to(tmp_path)}:\n{p.read_text(errors='replace')[-3000:]}" for p in found)
 
 
 def _rows(records: Path, group: int) -> list[dict]:
