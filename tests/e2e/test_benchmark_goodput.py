@@ -29,7 +29,7 @@ pytestmark = pytest.mark.timeout(600)
 
 
 def test_exact_mode_and_torchrun_baseline_recover_every_kill_bitwise():
-    result = run_proc([sys.executable, GOODPUT, "--steps", "120", "--kill-every", "3", "--side-by-side",
+    result = run_proc([sys.executable, GOODPUT, "--steps", "60", "--kill-every", "3", "--side-by-side",
                        "--kill-after-steps", "20", "--minutes", "2"], timeout=500)
     assert result.returncode == 0, result.output[-4000:]
     out = result.stdout
