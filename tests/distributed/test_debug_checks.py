@@ -14,7 +14,7 @@ from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from meshrun.debug.data_check import DataDuplicationWarning, check_dataloader
-from meshrun.debug.explain import explain
+from meshrun.debug.explain import explain, explain_exception
 from meshrun.debug.optim_check import OptimizerMisuseError, check_optimizer, first_step_check
 from meshrun.testing import run_distributed
 
@@ -78,7 +78,7 @@ def _fsdp_misuse() -> dict:
         model[0].forward(torch.randn(3, 4))  # direct forward on an FSDP module (resharded after backward)
         out["forward"] = "no error"
     except Exception as exc:  # noqa: BLE001 - the text is what is checked
-        out["forward"] = explain(type(exc).__name__, str(exc)) or f"unexplained: {exc}"
+        out["forward"] = explain_exception(exc) or f"unexplained: {exc}"
     return out
 
 

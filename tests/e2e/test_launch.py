@@ -242,6 +242,43 @@ def test_sys_exit_nonzero_on_one_rank_fails_the_job_fast(write_script):
     assert "Rank 1 failed first" in result.stderr and "exit code 3" in result.stderr
 
 
+LEAVES_EARLY = """\
+import os, sys, time
+from datetime import timedelta
+import torch, torch.distributed as dist
+
+dist.init_process_group("gloo", timeout=timedelta(seconds=20))  # a bound should the peers not notice
+dist.barrier()
+if dist.get_rank() == 1:
+    time.sleep(0.5)  # the others are waiting in the all_reduce by now
+    print("rank 1 leaves", flush=True)
+    os._exit(int(sys.argv[1]))  # no traceback, no error file
+dist.all_reduce(torch.ones(1))
+"""
+
+
+@pytest.mark.parametrize(("code", "nproc"), [(0, 3), (3, 2)])
+def test_the_rank_that_left_while_the_others_waited_is_named(write_script, code, nproc):
+    # Exit code 0 is no failure to torch's agent: only the waiting ranks' 'Connection closed by peer'
+    # was on record, and the summary blamed one of them. The agent's exit records name rank 1.
+    script = write_script("leaves.py", LEAVES_EARLY)
+    result = meshrun("launch", "--nproc-per-node", str(nproc), str(script), str(code), timeout=90)
+    assert result.returncode == (code or 1), result.output
+    headline = next(line for line in result.stderr.splitlines() if line.startswith("meshrun: job failed."))
+    if code == 0:
+        assert "Rank 1 left first" in headline and "exited with code 0" in headline, result.stderr
+        assert "while ranks 0, 2 still ran" in headline, result.stderr
+        assert "fix: a rank left the training loop early" in result.stderr, result.stderr
+    else:
+        assert "Rank 1 failed first" in headline and "exit code 3" in headline, result.stderr
+        assert "no Python error was recorded" in result.stderr, result.stderr
+    assert "Connection" not in headline and "RuntimeError" not in headline, result.stderr
+    summary = result.stderr.split(headline)[1]
+    assert "rank 1 leaves" in summary  # rank 1's last lines
+    consequences = summary.split("then, as a consequence:")[1].split("full output")[0]
+    assert all(f"rank {r}:" in consequences for r in range(nproc) if r != 1), result.stderr
+
+
 def _alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as fp:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import traceback
 
 import pytest
 from conftest import rank_log_dir
@@ -76,7 +77,11 @@ def test_worker_settings_from_env():
 def test_explanations_give_the_right_call():
     assert "on CPU leave them out, DDP(model)" in explain("ValueError", DDP_CPU)
     assert "spans several devices" in explain("ValueError", DDP_MULTI)
-    assert "call model(x) instead" in explain("RuntimeError", FSDP_FORWARD)
+    # the forward fix only where the frames show a direct forward call (tests/unit/test_debug_explain.py)
+    direct = [traceback.FrameSummary("/u/train.py", 9, "<module>", lookup_line=False, line="y = model.forward(x)"),
+              traceback.FrameSummary("/u/model.py", 4, "forward", lookup_line=False, line="return self.fc(x)")]
+    assert "call model(x) instead" in explain("RuntimeError", FSDP_FORWARD, direct)
+    assert "common causes" in explain("RuntimeError", FSDP_FORWARD)
     assert explain("ValueError", "bad batch") is None
 
 

@@ -10,6 +10,8 @@ import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from meshrun.launch.failure import LEFT_EARLY_FIX
+
 if TYPE_CHECKING:
     from meshrun.launch.failure import RankFailure
 
@@ -45,6 +47,7 @@ LAUNCH = Kind("bad launch options", "the launcher refused the options before any
               "the advice in the message above")
 REFUSED = Kind("refused by meshrun", "meshrun stopped the rank with the message above, which names the key "
                "or flag, the value and the fix: change that and rerun")
+LEFT = Kind("rank left early", LEFT_EARLY_FIX)  # exit code 0 while its peers still ran (launch/failure.py)
 FOLLOW_ON = Kind("consequence of another rank's failure", "see the rank that failed first")
 
 _RULES: list[tuple[Kind, re.Pattern]] = [
@@ -89,6 +92,8 @@ def classify_failure(failure: RankFailure, log_text: str = "") -> Kind:
     A rank that raised is classified by its exception, even when a signal ended it afterwards
     (e.g. the agent's SIGTERM while it was still exiting).
     """
+    if failure.left_early:
+        return LEFT
     signal = None if failure.raised else failure.signal_name
     return classify(failure.exc_type, failure.exc_text, log_text, signal, failure.follow_on)
 

@@ -19,7 +19,9 @@ import time
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from meshrun.launch.failure import RankFailure
+    from collections.abc import Mapping
+
+    from meshrun.launch.failure import RankFailure, WorkerExit
 
 FAILURES_FILE = "failures.log"
 
@@ -75,9 +77,11 @@ def silent_ranks(attempt_dir: str, failures: list[RankFailure]) -> list[int]:
 class AttemptRecorder(logging.Handler):
     """Catches the agent's per-attempt failure record; prints and files a one-line notice."""
 
-    def __init__(self, log_root: str, max_restarts: int, stream=None, logs_specs=None) -> None:
+    def __init__(self, log_root: str, max_restarts: int, stream=None, logs_specs=None,
+                 exits: Mapping[int, WorkerExit] | None = None) -> None:
         super().__init__(level=logging.ERROR)
         self.log_root = log_root
+        self.exits = exits  # the agent's record of each worker's end (torch_elastic.run_agent): who left early
         self.logs_specs = logs_specs  # torch's DefaultLogsSpecs: knows this agent's own run dir
         self.max_restarts = max_restarts
         self.failed_attempts = 0
@@ -85,7 +89,7 @@ class AttemptRecorder(logging.Handler):
         self.stream = stream
 
     def emit(self, record: logging.LogRecord) -> None:
-        from meshrun.launch.failure import RankFailure
+        from meshrun.launch.failure import RankFailure, name_first_to_leave
         from meshrun.launch.torch_elastic import agent_failure_record, run_log_dir
 
         agent = agent_failure_record(record)
@@ -97,6 +101,7 @@ class AttemptRecorder(logging.Handler):
             attempt = int(dirs[-1].rsplit("attempt_", 1)[1]) if dirs else self.failed_attempts
             failures = attempt_failures(dirs[-1], exitcode, local_rank, pid) if dirs else [
                 RankFailure(-1, local_rank, pid, exitcode, time.time())]
+            failures = name_first_to_leave(failures, self.exits or {})
             self.failed_attempts += 1
             left = self.max_restarts - self.failed_attempts + 1
             then = (f"restarting (restart {self.failed_attempts} of --max-restarts {self.max_restarts})"
@@ -125,11 +130,12 @@ class AttemptRecorder(logging.Handler):
             self.handleError(record)
 
 
-def install(log_root: str, max_restarts: int, logs_specs=None) -> AttemptRecorder:
+def install(log_root: str, max_restarts: int, logs_specs=None,
+            exits: Mapping[int, WorkerExit] | None = None) -> AttemptRecorder:
     """Listen to the agent's failure records until uninstall()."""
     from meshrun.launch.torch_elastic import AGENT_PROCS_LOGGER
 
-    recorder = AttemptRecorder(log_root, max_restarts, logs_specs=logs_specs)
+    recorder = AttemptRecorder(log_root, max_restarts, logs_specs=logs_specs, exits=exits)
     logging.getLogger(AGENT_PROCS_LOGGER).addHandler(recorder)
     return recorder
 

@@ -9,6 +9,10 @@ are the only formatters. The launcher's summary (summary.py), its per-attempt no
 
 A rank that raised is reported as having raised, even when the agent then stopped it with
 SIGTERM while it was still exiting: the signal is the agent's reaction to a peer, not the cause.
+
+A rank that left while its peers still ran (exit code 0 is no failure to the agent, so torch's
+record leaves it out) is known from the agent's `WorkerExit` records (launch/torch_elastic.py):
+`name_first_to_leave` puts it in front of the connection errors its peers then met.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import json
 import os
 import re
 import signal
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from meshrun.debug.readable import strip_cpp
@@ -48,9 +53,26 @@ _TB_LINE = re.compile(r'File "([^"]+)", line (\d+), in (\S+)')
 _EXC_LINE = re.compile(r"^([A-Za-z_][\w.]*(?:Error|Exception|Interrupt|Exit|Detected)): (.*)$")
 # meshrun's own refusal on a worker (cli/__init__.py prints a MeshrunError so, and exits 2)
 _MESHRUN_LINE = re.compile(r"^meshrun(?: [\w-]+)?: error: (.+)$")
+# A rank that waited for a peer that had left also times out (gloo: "Timed out waiting 10000ms for recv";
+# NCCL: "Watchdog caught collective operation timeout"). Not the hang watchdog's own report (is_follow_on).
+_WAITED = re.compile(r"[Tt]imed out|Socket Timeout|operation timeout")
 ERROR_FILE = "error.json"
+LEFT_EARLY_FIX = ("a rank left the training loop early (os._exit, sys.exit, a return on one rank only, or an "
+                  "uneven number of batches): every rank must make the same collective calls, then end together")
 TAIL_LINES = 12
 STDOUT_TAIL_LINES = 5
+
+
+@dataclass
+class WorkerExit:
+    """One worker process's end, as the agent saw it: what torch's failure record leaves out."""
+
+    local_rank: int
+    rank: int  # global rank; -1 when unknown
+    pid: int
+    exitcode: int  # negative: killed by that signal
+    time: float  # when the agent saw the process gone (within its monitor interval, 0.1 s by default)
+    running: bool  # the group was still running then; False: it ended after the agent began stopping the group
 
 
 @dataclass
@@ -82,6 +104,11 @@ class RankFailure:
             return f"signal {-self.exitcode}"
 
     @property
+    def left_early(self) -> bool:
+        """The rank ended with exit code 0 while its peers still ran (see name_first_to_leave)."""
+        return self.exitcode == 0 and not self.raised
+
+    @property
     def raised(self) -> bool:
         """The rank recorded an exception of its own (not an interrupt or a plain exit)."""
         return bool(self.exc_type) and self.exc_type not in _NOT_RAISED
@@ -101,6 +128,8 @@ class RankFailure:
             return f"raised {self.exc_type}" + self._after_raising()
         if sig:
             return f"killed by {sig}"
+        if self.left_early:
+            return "exit code 0 while the other ranks still ran"
         return "failed" if self.exitcode is None else f"exit code {self.exitcode}"
 
     def _after_raising(self) -> str:
@@ -258,6 +287,42 @@ def classify_follow_on(failures: list[RankFailure]) -> list[RankFailure]:
 def order_by_cause(failures: list[RankFailure]) -> list[RankFailure]:
     """Root causes before consequences; within each, earliest first (rank breaks ties)."""
     return sorted(failures, key=lambda f: (f.follow_on, f.time or 0.0, f.rank))
+
+
+def name_first_to_leave(failures: list[RankFailure], exits: Mapping[int, WorkerExit],
+                        host: str | None = None) -> list[RankFailure]:
+    """`failures` (root cause first) led by the ranks that left while their peers still ran.
+
+    The agent counts a rank that exits with code 0 as done, not failed: its peers then meet a
+    closed connection (or a timeout) in their next collective, and only they are failures. Such
+    a rank, seen gone (`exits`, by local rank) before every failure here, is the cause, unless
+    a rank raised an exception of its own (not a peer's connection error, not a timeout): that
+    exception stays the cause. Waiting ranks' timeouts become consequences of the rank that left.
+    Within one poll of the agent a failure that is not a consequence keeps the lead.
+    """
+    if not failures or not exits:
+        return failures
+    failed = {f.local_rank for f in failures}
+    ended = {f.local_rank: exits[f.local_rank].time for f in failures if f.local_rank in exits}
+
+    def before_every_failure(e: WorkerExit) -> bool:
+        return all(e.time <= t if f.follow_on else e.time < t
+                   for f in failures for t in [ended.get(f.local_rank, float("inf"))])
+
+    left = sorted((e for e in exits.values() if e.exitcode == 0 and e.running and e.local_rank not in failed
+                   and before_every_failure(e)), key=lambda e: (e.time, e.local_rank))
+    root = failures[0]
+    if not left or (root.raised and not root.follow_on and not _timed_out(root)):
+        return failures
+    for failure in failures:
+        failure.follow_on = failure.follow_on or _timed_out(failure)
+    leavers = [RankFailure(e.rank, e.local_rank, e.pid, 0, e.time, host=host) for e in left]
+    return leavers + order_by_cause(failures)
+
+
+def _timed_out(failure: RankFailure) -> bool:
+    """The rank raised a timeout waiting for a peer (see _WAITED)."""
+    return failure.raised and failure.exc_type != "HangDetected" and bool(_WAITED.search(failure.exception or ""))
 
 
 def clip(text: str, width: int = 140) -> str:

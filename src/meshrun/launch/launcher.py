@@ -99,13 +99,14 @@ def run_spec(plan: LaunchSpec) -> int:
         from meshrun.launch.preload import start_server
 
         start_server(torch_elastic.agent_environ(config, plan.env))  # forked from here when safe; else the agent starts Python's
-    recorder = attempts.install(log_dir, config.max_restarts, config.logs_specs)
+    exits: dict = {}  # each worker's end, as the agent saw it: names a rank that left early (summary.py)
+    recorder = attempts.install(log_dir, config.max_restarts, config.logs_specs, exits=exits)
     try:
-        torch_elastic.run_agent(config, cmd, cmd_args, plan.env, quiet=plan.quiet_torch_logs)
+        torch_elastic.run_agent(config, cmd, cmd_args, plan.env, quiet=plan.quiet_torch_logs, exits=exits)
     except torch_elastic.ChildFailedError as exc:
         from meshrun.launch.summary import collect_failures, format_summary
 
-        failures = collect_failures(exc, log_dir, verbose=getattr(options, "verbose", False))
+        failures = collect_failures(exc, log_dir, verbose=getattr(options, "verbose", False), exits=exits)
         sys.stdout.flush()
         print(format_summary(failures, log_dir, attempts=config.max_restarts + 1), file=sys.stderr)
         _warn_if_disk_full(log_dir)

@@ -1,8 +1,9 @@
 """Turn torchelastic's ChildFailedError into a summary that leads with the rank that failed first.
 
 Other ranks usually fail a moment later with a consequence (connection reset by the dead peer,
-store timeouts); those are listed below the root cause, never as the headline. Each rank's
-failure is a `RankFailure` (failure.py), told by its own formatter.
+store timeouts); those are listed below the root cause, never as the headline. A rank that left
+while its peers still ran (exit code 0, which torch's record leaves out) is named from the
+agent's exit records. Each rank's failure is a `RankFailure` (failure.py), told by its own formatter.
 """
 
 from __future__ import annotations
@@ -12,12 +13,16 @@ import json
 import os
 import socket
 import time
+from collections.abc import Mapping
 
 from meshrun.launch.failure import (
     FOLLOW_ON_PATTERNS,
+    LEFT_EARLY_FIX,
     RankFailure,
+    WorkerExit,
     classify_follow_on,
     is_follow_on,
+    name_first_to_leave,
     order_by_cause,
     read_error_file,
 )
@@ -41,25 +46,40 @@ def rank_log_dir(root: str | None, local_rank: int) -> str | None:
     return found[-1] if found else None
 
 
-def collect_failures(child_failed_error, log_root: str | None, *, verbose: bool | None = None) -> list[RankFailure]:
+def collect_failures(child_failed_error, log_root: str | None, *, verbose: bool | None = None,
+                     exits: Mapping[int, WorkerExit] | None = None) -> list[RankFailure]:
     """RankFailures for every rank in a torchelastic ChildFailedError, root cause first.
 
     `verbose` keeps C++ stack lines and meshrun's frames in the log tails (RankFailure.read_logs).
+    `exits`: the agent's record of each local rank's end (launch/torch_elastic.py), which names a
+    rank that left with exit code 0 while its peers still ran (failure.name_first_to_leave).
     """
     host = socket.gethostname()
+    exits = exits or {}
     failures = []
+    attempt_dir = None
     for rank, pf in child_failed_error.failures.items():
-        failure = RankFailure(rank, pf.local_rank, pf.pid, pf.exitcode, float(pf.timestamp), host=host)
+        agent_time = float(pf.timestamp)  # whole seconds
+        failure = RankFailure(rank, pf.local_rank, pf.pid, pf.exitcode, agent_time, host=host)
         error_file = getattr(pf, "error_file", None)
         failure.read_error_data(read_error_file(error_file))
+        if failure.time == agent_time and pf.local_rank in exits:  # no error file's time: the agent's own, exact
+            failure.time = exits[pf.local_rank].time
         # torchelastic writes error.json next to the rank's stdout/stderr logs: that directory is
         # exact even when nodes share a --log-dir; the newest attempt is a fallback.
         own_dir = os.path.dirname(error_file) if error_file else None
         log_dir = own_dir if own_dir and os.path.isdir(own_dir) else rank_log_dir(log_root, pf.local_rank)
         if log_dir:
             failure.read_logs(log_dir, verbose=verbose)
+            attempt_dir = os.path.dirname(log_dir)
         failures.append(failure)
-    failures = classify_follow_on(failures)
+    failures = name_first_to_leave(classify_follow_on(failures), exits, host=host)
+    for failure in failures:
+        if failure.log_dir is None:  # a rank that left: no failure record of torch's names its logs
+            sibling = os.path.join(attempt_dir, str(failure.local_rank)) if attempt_dir else None
+            log_dir = sibling if sibling and os.path.isdir(sibling) else rank_log_dir(log_root, failure.local_rank)
+            if log_dir:
+                failure.read_logs(log_dir, verbose=verbose)
     save_failures(failures, log_root)
     return failures
 
@@ -93,17 +113,33 @@ def format_summary(failures: list[RankFailure], log_root: str | None, attempts: 
     """The human summary printed at the end of a failed launch."""
     root = failures[0]
     where = f"local rank {root.local_rank} on {root.host or socket.gethostname()}, pid {root.pid}"
-    lines = ["", "=" * 72, f"meshrun: job failed. Rank {root.rank} failed first ({where}): {root.status}"]
+    others = sorted(f.rank for f in failures[1:] if f.rank >= 0)
+    if root.left_early:
+        still = (f"rank{'s' if len(others) > 1 else ''} {', '.join(map(str, others))}" if others
+                 else "the other ranks")
+        head = f"Rank {root.rank} left first ({where}): it exited with code 0{_clock(root.time)} while {still} still ran"
+    else:
+        head = f"Rank {root.rank} failed first ({where}): {root.status}"
+    lines = ["", "=" * 72, f"meshrun: job failed. {head}"]
     if root.exc_type:
         lines.append(f"  {root.exc_type}: {root.exc_text}")
     if root.site:
         lines.append(f"  at {root.site}")
+    if root.left_early:
+        lines.append(f"  fix: {LEFT_EARLY_FIX}")
+    elif not root.exc_type and not root.follow_on and len(failures) > 1 and failures[1].follow_on:
+        lines.append(f"  no Python error was recorded: the process ended{_clock(root.time)} without one (os._exit "
+                     "or sys.exit with a code, a crash in native code, or a kill such as the OOM killer's) while "
+                     "the other ranks still ran; their failures below followed from it")
     if root.hint:
         lines.append(f"  fix: {root.hint}")
     for stream, tail in (("stdout", root.stdout_tail), ("stderr", root.tail)):
         if tail:
             lines.append(f"  last lines of rank {root.rank}'s {stream}:")
             lines.extend(f"    | {line}" for line in tail)
+    if root.follow_on:  # every failure here is a consequence: the cause is not among this node's ranks
+        lines.append("  every failure here followed from another's: the cause is a rank that ended without an "
+                     "error, or one on another node (see that node's output)")
     if len(failures) > 1:
         lines.append("  then, as a consequence:" if failures[1].follow_on else "  other failed ranks:")
         for other in failures[1:]:
@@ -116,3 +152,10 @@ def format_summary(failures: list[RankFailure], log_root: str | None, attempts: 
         lines.append(f"  the job was attempted {attempts} times (--max-restarts {attempts - 1})")
     lines.append("=" * 72)
     return "\n".join(lines)
+
+
+def _clock(when: float | None) -> str:
+    """' at 12:00:01.25' (local time), or '' when unknown."""
+    if not when:
+        return ""
+    return f" at {time.strftime('%H:%M:%S', time.localtime(when))}.{int(when % 1 * 100):02d}"

@@ -21,7 +21,9 @@ import argparse
 import contextlib
 import logging
 import os
-from collections.abc import Iterator, Mapping
+import time
+from collections.abc import Iterator, Mapping, MutableMapping
+from typing import TYPE_CHECKING
 
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -32,6 +34,9 @@ from torch.distributed.elastic.rendezvous.api import (
 )
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 from torch.distributed.run import config_from_args, get_args_parser
+
+if TYPE_CHECKING:
+    from meshrun.launch.failure import WorkerExit
 
 __all__ = [
     "AGENT_PROCS_LOGGER", "ChildFailedError", "JOIN_TIMEOUT_DEFAULT_S", "LaunchConfig", "RendezvousClosedError",
@@ -63,13 +68,15 @@ def build_config(options: argparse.Namespace, environ: Mapping[str, str]):
 
 
 def run_agent(config: LaunchConfig, entrypoint, args: list[str], environ: Mapping[str, str],
-              *, quiet: bool = True) -> None:
+              *, quiet: bool = True, exits: MutableMapping[int, WorkerExit] | None = None) -> None:
     """Run the elastic agent to the end, with `environ` set for it and its workers only meanwhile.
 
     quiet: torchelastic's INFO/WARNING chatter buries the user's output; errors still show.
+    exits: filled with the latest attempt's workers' ends, by local rank (see `_exits_recorded`).
     """
     with scoped_environ(environ), _quiet_loggers(quiet), _plain_failure_records(), agent_store(config), \
-            _tolerant_error_files(), _quiet_master_port(config), _leftovers_ended():
+            _tolerant_error_files(), _quiet_master_port(config), _leftovers_ended(), \
+            _exits_recorded({} if exits is None else exits):
         elastic_launch(config=config, entrypoint=entrypoint)(*args)
 
 
@@ -186,6 +193,70 @@ def _leftovers_ended() -> Iterator[None]:
         yield
     finally:
         PContext.start, PContext.close = start, close
+
+
+@contextlib.contextmanager
+def _exits_recorded(exits: MutableMapping[int, WorkerExit]) -> Iterator[None]:
+    """While the agent runs, `exits` holds when each worker of the latest attempt ended, and how.
+
+    torch's failure record (ProcessFailure) lists only workers that exited nonzero, stamped in
+    whole seconds: a worker that exited 0 while its peers still ran is not in it, yet its peers'
+    'Connection closed by peer' is its doing (launch/failure.py name_first_to_leave). The agent
+    polls its workers every monitor interval through `PContext.wait`; each poll is noted around
+    it. A worker seen gone after the poll that ended the group was stopped by the agent (not
+    `running`), unless torch counted it done before stopping the others.
+    """
+    from torch.distributed.elastic.multiprocessing.api import PContext
+
+    from meshrun.launch.failure import WorkerExit
+
+    start, wait = PContext.start, PContext.wait
+
+    def note(pcontext, running: bool) -> None:
+        now = time.time()
+        pids = getattr(pcontext, "_meshrun_exit_pids", {})
+        still = getattr(pcontext, "_running_local_ranks", None)  # SubprocessContext's: not done when it stopped
+        done_before_stop = set(range(pcontext.nprocs)) - set(still) if still is not None else set()
+        for local_rank, code in _exit_codes(pcontext).items():
+            if local_rank in exits or code is None:
+                continue
+            env = pcontext.envs.get(local_rank, {}) if isinstance(pcontext.envs, dict) else {}
+            rank = int(env["RANK"]) if str(env.get("RANK", "")).isdigit() else -1
+            exits[local_rank] = WorkerExit(local_rank, rank, pids.get(local_rank, 0), code, now,
+                                           running or local_rank in done_before_stop)
+
+    def started(self) -> None:  # noqa: ANN001 - torch's signature
+        exits.clear()  # a new attempt
+        start(self)
+        with contextlib.suppress(Exception):
+            self._meshrun_exit_pids = dict(self.pids())
+
+    def waited(self, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202 - torch's signature
+        with contextlib.suppress(Exception):  # a record must never take the agent down
+            note(self, running=True)
+        result = wait(self, *args, **kwargs)
+        with contextlib.suppress(Exception):
+            note(self, running=result is None)
+        return result
+
+    PContext.start, PContext.wait = started, waited
+    try:
+        yield
+    finally:
+        PContext.start, PContext.wait = start, wait
+
+
+def _exit_codes(pcontext) -> dict[int, int | None]:
+    """Each worker's exit code (negative: its signal), None while it runs; {} for an unknown context.
+
+    Popen.poll and multiprocessing's exitcode keep the status they read: torch reads the same one after.
+    """
+    handlers = getattr(pcontext, "subprocess_handlers", None)
+    if handlers:  # SubprocessContext: exec'd workers
+        return {local_rank: handler.proc.poll() for local_rank, handler in handlers.items()}
+    context = getattr(pcontext, "_pc", None)  # MultiprocessContext: forked workers (meshrun train's)
+    processes = getattr(context, "processes", None) or []
+    return {local_rank: process.exitcode for local_rank, process in enumerate(processes)}
 
 
 def _error_file_readable(path: str) -> bool:

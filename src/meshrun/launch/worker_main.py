@@ -37,12 +37,16 @@ def _frames(tb) -> list[tuple[str, int, str]]:
 
 
 def _explain(exc: BaseException) -> str | None:
-    """meshrun's explanation of a torch error the guide warns about (meshrun.debug.explain)."""
+    """meshrun's explanation of a torch error the guide warns about (meshrun.debug.explain).
+
+    The frames tell one cause of several apart (where the error was raised: an optimizer step, a
+    direct `model.forward`).
+    """
     try:
-        from meshrun.debug.explain import explain
+        from meshrun.debug.explain import explain_exception
     except ImportError:
         return None
-    return explain(type(exc).__name__, str(exc))
+    return explain_exception(exc)
 
 
 def _write_error_file(exc: BaseException, tb, formatted: str, hint: str | None = None) -> None:

@@ -51,9 +51,9 @@ def plain_python_hint(exc: BaseException) -> str | None:
     """The line to end a plain-python traceback with: the launch command, or meshrun's explanation."""
     line = explain_missing_launcher_env(exc)
     if line is None:  # DDP device_ids on CPU, FSDP forward, ...: meshrun.debug.explain
-        from meshrun.debug.explain import explain
+        from meshrun.debug.explain import explain_exception
 
-        hint = explain(type(exc).__name__, str(exc))
+        hint = explain_exception(exc)
         line = f"meshrun: {hint}" if hint else None
     return line
 
