@@ -81,7 +81,7 @@ def check_shared_memory() -> None:
     import multiprocessing
 
     try:
-        multiprocessing.get_context("spawn").Lock()
+        multiprocessing.get_context("fork").Lock()  # fork's is unlinked at once: no resource tracker
     except OSError as exc:
         if exc.errno not in (errno.ENOSPC, errno.ENOMEM, errno.EACCES, errno.EROFS):
             raise
