@@ -4,10 +4,11 @@ A tiny Hugging Face model is saved once; each case copies it and breaks one file
 damaged download, a mistaken path or an attacker would: config.json and tokenizer.json with
 wrong types, missing keys, garbage, FIFOs, device symlinks and huge sizes; safetensors files
 truncated, with garbage or huge header lengths, overlapping offsets, integer dtypes, other
-shapes, tensors left out. Each case goes through `meshrun train`'s checks (train/preflight.py),
+shapes, tensors left out; a token directory's meta.json (FIFOs, devices, wrong types and
+ranges, missing keys) and tokens.bin (truncated, FIFO, device, huge). Each case goes through `meshrun train`'s checks (train/preflight.py),
 in this process: the outcome must be a MeshrunError, exit code 2, one line naming the key, and
 nothing created. A traceback, a hang (pytest-timeout) or an acceptance fails the case.
-MESHRUN_HOSTILE_CASES sets the count (CI: 60) and MESHRUN_HOSTILE_SEED the seed; `pytest -s` prints
+MESHRUN_HOSTILE_CASES sets the count (CI: 120) and MESHRUN_HOSTILE_SEED the seed; `pytest -s` prints
 the figures by class.
 """
 
@@ -28,7 +29,7 @@ from meshrun.config import load_config
 from meshrun.errors import MeshrunError
 from meshrun.train.preflight import check_before_torch, check_with_torch
 
-CASES = env_int("MESHRUN_HOSTILE_CASES", 60)
+CASES = env_int("MESHRUN_HOSTILE_CASES", 120)
 SEED = env_int("MESHRUN_HOSTILE_SEED", 2026)
 REQUIRED = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
 SHAPE_KEYS = (*REQUIRED, "num_key_value_heads", "max_position_embeddings", "rms_norm_eps", "tie_word_embeddings")
@@ -41,6 +42,12 @@ def base(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("hostile")
     save_tiny_hf(root / "model")
     save_hf_tokenizer(root / "tokenizer", ["hello world, a tiny corpus for a tiny tokenizer"] * 20)
+    from meshrun.data.prepare import prepare_tokens
+    from meshrun.data.tokenizer import load_tokenizer
+
+    (root / "corpus.txt").write_text("hello world, a tiny corpus for a tiny tokenizer\n" * 400)
+    prepare_tokens([root / "corpus.txt"], root / "data", load_tokenizer(root / "tokenizer"))
+    (root / "corpus.txt").unlink()
     return root
 
 
@@ -63,12 +70,19 @@ def _break(case: Path, rng: random.Random) -> tuple[str, str]:
     """Break one file of the copy at `case`; (class, key the refusal must name)."""
     config, weights = case / "model" / "config.json", case / "model" / "model.safetensors"
     tokenizer = case / "tokenizer" / "tokenizer.json"
-    target = rng.choice(["config", "weights", "weights", "tokenizer"])
+    target = rng.choice(["config", "weights", "weights", "tokenizer", "meta", "tokens"])
     if target == "tokenizer":
         key, path = "data.tokenizer", tokenizer
+    elif target in ("meta", "tokens"):
+        key, path = "data.path", case / "data" / ("meta.json" if target == "meta" else "tokens.bin")
     else:
         key, path = "model.hf", config if target == "config" else weights
     kind = rng.choice(["fifo", "device", "huge", "garbage", "content", "content", "content"])
+    if target == "tokens" and kind in ("garbage", "content"):
+        kind = "truncated"
+    if kind == "truncated":
+        path.write_bytes(path.read_bytes()[:rng.randrange(0, path.stat().st_size - 1)])
+        return "tokens: truncated", key
     path.unlink()
     if kind == "fifo":
         os.mkfifo(path)
@@ -86,6 +100,19 @@ def _break(case: Path, rng: random.Random) -> tuple[str, str]:
 
 def _break_content(target: str, case: Path, rng: random.Random) -> str:
     original = case.parent / "original"
+    if target == "meta":
+        meta = json.loads((original / "data" / "meta.json").read_text())
+        name = rng.choice(["format", "version", "dtype", "num_tokens", "vocab_size", "sha256", "sample_sha256",
+                           "byte_order", "tokenizer", "sources", "val_fraction"])
+        if rng.random() < 0.3 and name not in ("byte_order", "sources", "val_fraction"):  # those have defaults
+            del meta[name]
+            how = f"no {name}"
+        else:
+            meta[name] = rng.choice(["x", -1, 2**70, 1.5, [1], {"a": 1}, True] + ([] if name == "val_fraction" else [None])
+                                    + ([] if name in ("version", "val_fraction") else [0]))
+            how = f"{name}={meta[name]!r}"
+        (case / "data" / "meta.json").write_text(json.dumps(meta))
+        return f"meta: {how}"
     if target == "config":
         config = json.loads((original / "model" / "config.json").read_text())
         name = rng.choice(SHAPE_KEYS)
@@ -149,6 +176,7 @@ def _tree(root: Path) -> set[str]:
 
 def _check(case: Path) -> None:
     cfg = load_config(None, [f"model.hf={case / 'model'}", f"data.tokenizer={case / 'tokenizer'}",
+                             f"data.path={case / 'data'}",
                              "data.seq_len=32", f"train.run_dir={case / 'runs'}"])
     check_before_torch(cfg, nproc_per_node="2")
     check_with_torch(cfg, nproc_per_node="2")

@@ -103,6 +103,14 @@ def _check_dir(path: Path) -> None:
                             f"{PREPARE_HINT.format(dir=path)}")
 
 
+def _count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 < value < 1 << 62
+
+
+def _sha(value: object) -> bool:
+    return isinstance(value, str) and len(value) == 64 and all(c in "0123456789abcdef" for c in value)
+
+
 def read_meta(path: str | Path) -> TokenMeta:
     """Parse and check DIR/meta.json; any problem is a one-line DataError."""
     path = Path(path).expanduser()
@@ -114,7 +122,9 @@ def read_meta(path: str | Path) -> TokenMeta:
         raise _corrupt(meta_path, f"not valid JSON ({exc})") from None
     if not isinstance(raw, dict) or raw.get("format") != FORMAT:
         raise _corrupt(meta_path, f"not a meshrun token meta file (format should be {FORMAT!r})")
-    if not isinstance(raw.get("version"), int) or raw["version"] > FORMAT_VERSION:
+    if not _count(raw.get("version")):
+        raise _corrupt(meta_path, f"version {raw.get('version')!r} is not a format version")
+    if raw["version"] > FORMAT_VERSION:
         raise DataError(f"{meta_path} has format version {raw.get('version')!r}, but this meshrun reads "
                         f"up to {FORMAT_VERSION}; upgrade meshrun or {REPREPARE_HINT}")
     known = set(TokenMeta.__dataclass_fields__)
@@ -123,11 +133,16 @@ def read_meta(path: str | Path) -> TokenMeta:
     except TypeError as exc:
         raise _corrupt(meta_path, str(exc).replace("TokenMeta.__init__() ", "")) from None
     checks = [
-        (meta.dtype in DTYPES, f"dtype {meta.dtype!r} is not one of {sorted(DTYPES)}"),
-        (isinstance(meta.num_tokens, int) and meta.num_tokens > 0, f"num_tokens {meta.num_tokens!r}"),
-        (isinstance(meta.vocab_size, int) and meta.vocab_size > 0, f"vocab_size {meta.vocab_size!r}"),
-        (isinstance(meta.sha256, str) and isinstance(meta.sample_sha256, str), "missing checksums"),
+        (isinstance(meta.dtype, str) and meta.dtype in DTYPES, f"dtype {meta.dtype!r} is not one of {sorted(DTYPES)}"),
+        (_count(meta.num_tokens), f"num_tokens {meta.num_tokens!r}"),
+        (_count(meta.vocab_size), f"vocab_size {meta.vocab_size!r}"),
+        (_sha(meta.sha256) and _sha(meta.sample_sha256), "its checksums are not sha256 digests"),
         (meta.byte_order == "little", f"byte_order {meta.byte_order!r}"),
+        (isinstance(meta.tokenizer, dict), f"tokenizer {meta.tokenizer!r} is not a table"),
+        (isinstance(meta.sources, list) and all(isinstance(x, dict) for x in meta.sources),
+         f"sources {meta.sources!r} is not a list of tables"),
+        (meta.val_fraction is None or (type(meta.val_fraction) in (int, float) and 0 <= meta.val_fraction < 1),
+         f"val_fraction {meta.val_fraction!r} is not in [0, 1)"),
     ]
     for ok, why in checks:
         if not ok:
