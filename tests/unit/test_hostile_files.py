@@ -224,6 +224,19 @@ def test_a_latest_pointer_that_is_not_a_small_text_file_reads_as_none(tmp_path):
         assert read_latest(tmp_path) is None
 
 
+def test_a_manifest_that_is_not_a_small_regular_file_is_damage_not_a_hang(tmp_path):
+    """A checkpoint's manifest.json as a FIFO (a reader would wait for ever), a device or oversized."""
+    from meshrun.checkpoint.manifest import MANIFEST, CheckpointError, read_manifest
+    from meshrun.checkpoint.schema import MAX_MANIFEST_BYTES
+
+    for make in (lambda p: os.mkfifo(p), lambda p: p.symlink_to("/dev/zero"),
+                 lambda p: p.write_bytes(b"{" * (MAX_MANIFEST_BYTES + 1))):
+        (tmp_path / MANIFEST).unlink(missing_ok=True)
+        make(tmp_path / MANIFEST)
+        with pytest.raises(CheckpointError, match="manifest.json is damaged"):
+            read_manifest(tmp_path)
+
+
 def test_a_prompt_that_is_not_utf8_is_one_line(capsys):
     from meshrun.cli import main
 

@@ -103,12 +103,17 @@ def write_manifest(ckpt: Path, **info) -> dict:
 
 def read_manifest(ckpt: Path) -> dict:
     """The manifest of `ckpt`, checked byte for byte and field by field; any flaw is a CheckpointError."""
+    import stat
+
     path = Path(ckpt) / MANIFEST
     try:
-        size = path.stat().st_size
-        if size > MAX_MANIFEST_BYTES:
-            raise ValueError(f"{size} bytes, far more than a manifest holds")
-        text = path.read_bytes().decode("utf-8")
+        with open(path, "rb", opener=_no_block) as fp:  # a FIFO in its place never blocks the reader
+            if not stat.S_ISREG(os.fstat(fp.fileno()).st_mode):
+                raise ValueError("not a regular file")
+            data = fp.read(MAX_MANIFEST_BYTES + 1)
+        if len(data) > MAX_MANIFEST_BYTES:
+            raise ValueError(f"more than the {MAX_MANIFEST_BYTES} bytes a manifest holds")
+        text = data.decode("utf-8")
         manifest = json.loads(text, parse_constant=_no_constant)
         check_manifest(manifest, text, step_dir=Path(ckpt).name)
     except (OSError, ValueError, TypeError, RecursionError) as exc:
