@@ -1,4 +1,4 @@
-"""Every `bash`, `console` and `python` block of README.md, README.zh-CN.md and docs/*.md runs.
+"""Every `bash`, `console` and `python` block of README.md, README.zh-CN.md, docs/*.md and docs/zh-CN/*.md runs.
 
 How (tests/docs/docblocks.py finds and marks the blocks, docrun.py runs them):
 - one fresh temporary directory per page, with `examples/` linked in and the few inputs the docs
@@ -10,7 +10,8 @@ How (tests/docs/docblocks.py finds and marks the blocks, docrun.py runs them):
   `<!-- doc-test: fails -->` makes a console block's commands required to fail, with the output shown;
 - a block already run, after the same blocks, on an earlier page (up to comments) is not run
   again: its outcome and the files it left are reused (docrun.Memo). The two READMEs (see
-  test_readme_parity.py) run once; docs/checkpoint.md and docs/metrics.md share their first run;
+  test_readme_parity.py) run once, and so does a docs/zh-CN/ page's copy of its English page's blocks
+  (test_zh_docs.py); docs/checkpoint.md and docs/metrics.md share their first run;
 - two pages run at a time (docrun.run_pages), each alone in its directory.
 """
 
@@ -23,7 +24,8 @@ from conftest import child_env
 from docblocks import REPO, RUN_LANGS, Block, PageError, normalized, parse
 from docrun import Memo, failure_report, run_page, run_pages
 
-PAGES = [REPO / "README.md", REPO / "README.zh-CN.md", *sorted((REPO / "docs").glob("*.md"))]
+PAGES = [REPO / "README.md", REPO / "README.zh-CN.md", *sorted((REPO / "docs").glob("*.md")),
+         *sorted((REPO / "docs" / "zh-CN").glob("*.md"))]
 
 
 def _rel(path: Path) -> str:
