@@ -91,6 +91,15 @@ def test_the_map_gives_every_section_a_row(page: Path):
     assert "`make guide`" in text
 
 
+def run_lines(page: str) -> set[str]:
+    return {cmd for row in table_rows(page) for cmd in _RUNNABLE.findall(row[-1])}
+
+
+def test_both_maps_give_the_same_lines_to_run():
+    english, chinese = (run_lines(p.read_text(encoding="utf-8")) for p in MAPS)
+    assert english == chinese and len(english) >= 8, english ^ chinese
+
+
 def test_the_english_map_links_only_what_exists():
     page = MAPS[0]
     targets = re.findall(r"\]\(([^)\s]+)\)", page.read_text(encoding="utf-8"))
