@@ -17,6 +17,11 @@ What differs from the guide, and why:
 
 It prints one line per step and a final "fsdp2 ok" line comparing against the same training
 run on one process, without FSDP, on the whole batch.
+
+指南“进阶一步：FSDP2 最小改造”一节在 CPU 上的可运行版本，并与单进程训练对照。指南的初始化
+只适用于加速器，在 CPU 上报错，这里改用 `meshrun.init()` 和建在 `env.device.type` 上的一维网格。
+脚本还验证指南的两条约定（优化器在分片之后构建；调用 `model(x)` 而不是 `model.forward(x)`），
+并指出指南的一处误解：每次 `fully_shard` 调用并不创建新的通信组，用的都是网格的进程组。
 """
 
 from __future__ import annotations

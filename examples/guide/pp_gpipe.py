@@ -23,6 +23,11 @@ Other changes from the guide: `meshrun.init()` and the CPU device (the guide's s
 without an accelerator), a seeded model so every rank traces and splits the same weights,
 and the loss broadcast from the last stage so rank 0 can print it. It ends with
 "pp ok ... matches one process".
+
+指南速查里流水线并行（PP）那一行在 CPU 上能真正训练的版本，并与单进程对照。按字面照搬
+（每个 rank 都 `step(x)`，调度不带 `loss_fn`）只会做前向：没有 loss 就没有反向，梯度全是 None；
+脚本先跑这种写法，再跑能训练的写法（`loss_fn`，输入只给第一个阶段，目标只给最后一个阶段）。
+指南的初始化在没有加速器时报错，这里改用 `meshrun.init()` 和 CPU 设备。
 """
 
 from __future__ import annotations

@@ -16,6 +16,11 @@ input are seeded identically on every rank: TP ranks must see the same input (th
 data-parallel replica), and parallelize_module shards each rank's own copy of the weights
 without broadcasting them. The script checks the output, the gradients and a training step
 against the unsharded MLP and prints "tp_mlp ok ...".
+
+指南速查里张量并行（TP）那一行（w1/w2 两层 MLP 上的 parallelize_module）在 CPU 上的可运行
+版本，输出、梯度和一步训练都与不切分的 MLP 对照。指南的网格建在 "cuda" 上，没有 GPU 时会失败，
+这里改用 `env.device.type`；MLP 和输入在每个 rank 上用相同的种子生成，因为 TP 的各 rank 必须
+看到相同的输入，而 parallelize_module 不会广播权重。
 """
 
 from __future__ import annotations

@@ -7,6 +7,11 @@ What meshrun changes from the guide: `meshrun.init()` picks the device and backe
 guide's `get_default_backend_for_device(acc)` raises on CPU), `device_ids` is passed only on
 accelerators (on CPU it must be omitted), the dataset is seeded so every rank sees the same
 data before the sampler splits it, and teardown is clean.
+
+指南第一个完整例子（单机 DDP）经 meshrun 改写的版本：同一份代码可以单进程运行，也可以用
+meshrun launch 起多个进程，CPU、GPU 都能跑。指南的原代码在 CPU 上会失败：没有加速器时
+`get_default_backend_for_device(acc)` 报错，`device_ids=[local_rank]` 在 CPU 上也必须省略；
+这里由 `meshrun.init()` 选择设备和后端，数据集固定随机种子，结束时干净地收尾。
 """
 
 from __future__ import annotations

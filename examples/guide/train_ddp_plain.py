@@ -7,6 +7,11 @@ It shows that an unmodified torchrun script runs under `meshrun launch`. The fix
 `torch.accelerator.current_accelerator()` returns None, so the guide's
 `dist.get_default_backend_for_device(acc)` raises; fall back to gloo and skip the GPU-only
 lines (`set_device_index`, `.to(local_rank)`, `device_ids=`), which also raise on CPU.
+
+指南的 DDP 例子，纯 torch 写法，除了 CPU 必需的一处修正外原样保留，说明未修改的 torchrun
+脚本可以直接在 meshrun launch 下运行。CPU 上 `torch.accelerator.current_accelerator()` 返回 None，
+指南的 `dist.get_default_backend_for_device(acc)` 因此报错；这里退回 gloo，并跳过只适用于 GPU 的
+几行（`set_device_index`、`.to(local_rank)`、`device_ids=`），它们在 CPU 上同样报错。
 """
 
 import os
