@@ -1,6 +1,11 @@
 """How the docs test runs a page's blocks (docblocks.py finds them): a fresh directory with the
 fixtures, one rule that bounds `meshrun train`, every process bounded and reaped, and a Memo that
-lets a page reuse the blocks an earlier page already ran after the same blocks."""
+lets a page reuse the blocks an earlier page already ran after the same blocks.
+
+A page's blocks run as a reader runs them in one shell: what a bash or console block exports
+(`source .venv/bin/activate` sets PATH and VIRTUAL_ENV) is the environment of the blocks after
+it. The READMEs run as in a new shell: PATH without the virtual environment, whose `.venv` sits
+in the page's directory as it does in a clone after `make run` (NEW_SHELL_PAGES)."""
 
 from __future__ import annotations
 
@@ -19,6 +24,8 @@ from docblocks import REPO, Block, normalized, parse
 from meshrun.testing.processes import kill_tree
 
 BIN = Path(sys.executable).parent
+NEW_SHELL_PAGES = ("README.md", "README.zh-CN.md")  # run with a PATH that does not hold the venv
+ENV_OUT = ".doc_shell_env"  # where a shell block leaves its exported environment (NUL-separated)
 BLOCK_TIMEOUT = 400  # seconds per block (~20x its time on a quiet machine): a hang fails the page, not the suite
 
 # THE ONE RULE that makes a doc command cheaper than it reads: the default config trains 300 steps
@@ -70,11 +77,13 @@ class Outcome:
     detail: str = ""
     seconds: float = 0.0  # wall
     reused: bool = False  # taken from an identical earlier page (Memo)
+    env: dict[str, str] | None = None  # the shell's environment after the block, for the next one
 
 
 def prepare_dir(workdir: Path) -> None:
     workdir.mkdir(parents=True, exist_ok=True)
     (workdir / "examples").symlink_to(REPO / "examples")
+    (workdir / ".venv").symlink_to(BIN.parent)  # where `make run` puts it, beside examples/
     for name, text in fixtures().items():
         (workdir / name).parent.mkdir(parents=True, exist_ok=True)
         (workdir / name).write_text(text, encoding="utf-8")
@@ -115,32 +124,56 @@ def _missing_lines(shown: list[str], output: str) -> list[str]:
     return []
 
 
+def new_shell_env(env: dict[str, str]) -> dict[str, str]:
+    """`env` as a new login shell has it: no virtual environment on PATH, none active."""
+    venv = BIN.resolve()
+    path = [p for p in env.get("PATH", "").split(":") if p and Path(p).resolve() != venv]
+    return {**{k: v for k, v in env.items() if k != "VIRTUAL_ENV"}, "PATH": ":".join(path)}
+
+
+def _shell_script(text: str) -> str:
+    """A bash block or command, then its exported environment for the next block (one shell)."""
+    return f'{PRELUDE}{text}\nenv -0 > "$PWD/{ENV_OUT}"\n'
+
+
+def _exported(workdir: Path, env: dict[str, str]) -> dict[str, str]:
+    path = workdir / ENV_OUT
+    if not path.is_file():
+        return env
+    pairs = (item.partition("=") for item in path.read_text(encoding="utf-8").split("\0") if "=" in item)
+    path.unlink()
+    return {k: v for k, _, v in pairs if k not in ("PWD", "OLDPWD", "SHLVL", "_")}
+
+
 def run_block(block: Block, workdir: Path, env: dict[str, str]) -> Outcome:
+    """Run one block in `workdir`; its Outcome, and `env` as the block leaves it (shell blocks)."""
     name = f"doc_block_{block.line}"
     if block.lang == "python":
         script = workdir / f"{name}.py"
         script.write_text(block.text, encoding="utf-8")
-        rc, out = _run([sys.executable, script.name], workdir, env)
-        return Outcome(block, rc == 0, f"exit {rc}\n\n{out}")
+        python = shutil.which("python3", path=env.get("PATH")) if env.get("VIRTUAL_ENV") else None
+        rc, out = _run([python or sys.executable, script.name], workdir, env)
+        return Outcome(block, rc == 0, f"exit {rc}\n\n{out}", env=env)
     if block.lang == "bash":
         script = workdir / f"{name}.sh"
-        script.write_text(PRELUDE + block.text, encoding="utf-8")
+        script.write_text(_shell_script(block.text), encoding="utf-8")
         rc, out = _run(["bash", script.name], workdir, env)
-        return Outcome(block, rc == 0, f"exit {rc}\n\n{out}")
+        return Outcome(block, rc == 0, f"exit {rc}\n\n{out}", env=_exported(workdir, env))
     steps = _console_steps(block.text)
     if not steps:
         return Outcome(block, False, "a console block needs at least one `$ ` command line")
     for k, (command, shown) in enumerate(steps):
         script = workdir / f"{name}_{k}.sh"
-        script.write_text(PRELUDE + command + "\n", encoding="utf-8")
+        script.write_text(_shell_script(command), encoding="utf-8")
         rc, out = _run(["bash", script.name], workdir, env)
+        env = _exported(workdir, env)
         if (rc == 0) == (block.marker == "fails"):
             expected = "a non-zero exit (marked `doc-test: fails`)" if block.marker == "fails" else "exit 0"
             return Outcome(block, False, f"$ {command}\nexpected {expected}, got exit {rc}\n\n{out}")
         missing = _missing_lines(shown, out)
         if missing:
             return Outcome(block, False, f"$ {command}\nexit {rc}; the output lacks the shown line {missing[0]!r}\n\n{out}")
-    return Outcome(block, True)
+    return Outcome(block, True, env=env)
 
 
 class Memo:
@@ -160,7 +193,7 @@ class Memo:
         outcome, snapshot = self.done[key]
         shutil.rmtree(workdir)
         shutil.copytree(snapshot, workdir, symlinks=True)
-        return Outcome(block, outcome.ok, outcome.detail, reused=True)
+        return Outcome(block, outcome.ok, outcome.detail, reused=True, env=outcome.env)
 
     def keep(self, key: tuple, outcome: Outcome, workdir: Path) -> None:
         snapshot = self.store / f"snapshot-{next(self._names)}"
@@ -172,9 +205,10 @@ def run_page(path: Path, workdir: Path, env: dict[str, str], memo: Memo | None =
     """Run the page's runnable blocks in order in the fresh `workdir`; stop at the first failure
     (later blocks usually depend on it)."""
     prepare_dir(workdir)
-    env = {**env, "PATH": f"{BIN}:{env.get('PATH', '')}"}
+    new_shell = path.name in NEW_SHELL_PAGES
+    env = new_shell_env(env) if new_shell else {**env, "PATH": f"{BIN}:{env.get('PATH', '')}"}
     outcomes: list[Outcome] = []
-    key: tuple = ()
+    key: tuple = (("new shell", new_shell),)
     for block in parse(path):
         if not block.runs:
             continue
@@ -186,6 +220,7 @@ def run_page(path: Path, workdir: Path, env: dict[str, str], memo: Memo | None =
             outcome.seconds = time.monotonic() - start
             if memo and outcome.ok:
                 memo.keep(key, outcome, workdir)
+        env = outcome.env or env
         outcomes.append(outcome)
         if not outcome.ok:
             break
@@ -193,7 +228,8 @@ def run_page(path: Path, workdir: Path, env: dict[str, str], memo: Memo | None =
 
 
 def _first_key(page: Path) -> tuple:
-    return next(((b.lang, b.marker, normalized(b)) for b in parse(page) if b.runs), ("nothing to run", str(page)))
+    first = next(((b.lang, b.marker, normalized(b)) for b in parse(page) if b.runs), ("nothing to run", str(page)))
+    return (page.name in NEW_SHELL_PAGES, first)
 
 
 def run_pages(pages: list[Path], root: Path, env: dict[str, str], memo: Memo, workers: int = 2) -> dict[Path, list[Outcome]]:

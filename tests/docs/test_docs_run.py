@@ -113,6 +113,22 @@ def test_output_a_console_block_shows_must_be_printed(tmp_path: Path):
     assert [o.ok for o in outcomes] == [False] and "lacks the shown line 'steps = 21 ...'" in outcomes[0].detail
 
 
+def test_the_readmes_run_as_in_a_new_shell_where_only_activation_finds_meshrun(tmp_path: Path):
+    """A README runs with a PATH without the venv, as a new shell has it: its commands fail unless the
+    page activates the venv first, and what a block exports (activation) holds for the blocks after it."""
+    command = "```console\n$ meshrun --version\nmeshrun ...\n```\n"
+    activate = "```bash\nsource .venv/bin/activate\n```\n\n"
+    outcomes = {}
+    for name, body in (("bare", command), ("activated", activate + command)):
+        (tmp_path / name).mkdir()
+        page = tmp_path / name / "README.md"
+        page.write_text(body, encoding="utf-8")
+        outcomes[name] = run_page(page, tmp_path / name / "work", child_env())
+    assert [o.ok for o in outcomes["activated"]] == [True, True], failure_report(outcomes["activated"])
+    assert [o.ok for o in outcomes["bare"]] == [False], failure_report(outcomes["bare"])
+    assert "meshrun: command not found" in outcomes["bare"][0].detail, outcomes["bare"][0].detail
+
+
 @pytest.mark.parametrize("page", [
     "<!-- doc-test: skip -->\n```bash\nls\n```\n",                       # a skip without its reason
     "<!-- doc-test: skip (why) -->\nprose\n```bash\nls\n```\n",         # not right before the fence
