@@ -189,7 +189,9 @@ def link_problems(page: Path, docs: Path = REPO / "docs") -> list[str]:
         if not path.exists():
             problems.append(f"{where}: no such file")
             continue
-        original = text[: m.start()].rstrip().endswith("English:")  # the note that links the English original
+        # the page's own English original (its opening note, or where a part-translated page goes on)
+        original = text[: m.start()].rstrip().endswith("English:") or (
+            page.parent.name == "zh-CN" and path == (docs / page.name).resolve())
         if path.parent == docs.resolve() and path.suffix == ".md" and not original:
             chinese = docs / "zh-CN" / path.name
             if chinese.exists() and not ("#" in target and path.name in PARTIAL):
