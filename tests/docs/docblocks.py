@@ -50,6 +50,20 @@ class PageError(ValueError):
     """A page whose fences or markers are malformed."""
 
 
+def prose_lines(path: Path) -> list[str]:
+    """The page's lines outside fenced blocks."""
+    lines, fence = [], ""
+    for line in path.read_text(encoding="utf-8").splitlines():
+        mark = re.match(r"^(```+|~~~+)", line)
+        if fence:
+            fence = "" if line.strip() == fence else fence
+        elif mark:
+            fence = mark.group(1)
+        else:
+            lines.append(line)
+    return lines
+
+
 def parse(path: Path) -> list[Block]:
     lines = path.read_text(encoding="utf-8").splitlines()
     found: list[Block] = []

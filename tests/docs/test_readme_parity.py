@@ -13,37 +13,23 @@ import re
 from pathlib import Path
 
 import pytest
-from docblocks import REPO, RUN_LANGS, normalized, parse
+from docblocks import REPO, RUN_LANGS, normalized, parse, prose_lines
 
 EN, ZH = REPO / "README.md", REPO / "README.zh-CN.md"
 _LINK = re.compile(r"\]\(([^)\s]+)\)")
 _INLINE_COMMAND = re.compile(r"`((?:meshrun|make) [^`]+)`")
 
 
-def _prose(path: Path) -> list[str]:
-    """The page's lines outside fenced blocks."""
-    lines, fence = [], ""
-    for line in path.read_text(encoding="utf-8").splitlines():
-        mark = re.match(r"^(```+|~~~+)", line)
-        if fence:
-            fence = "" if line.strip() == fence else fence
-        elif mark:
-            fence = mark.group(1)
-        else:
-            lines.append(line)
-    return lines
-
-
 def headings(path: Path) -> list[int]:
-    return [len(m.group(1)) for line in _prose(path) if (m := re.match(r"^(#{1,6}) \S", line))]
+    return [len(m.group(1)) for line in prose_lines(path) if (m := re.match(r"^(#{1,6}) \S", line))]
 
 
 def links(path: Path) -> set[str]:
-    return {target for line in _prose(path) for target in _LINK.findall(line)}
+    return {target for line in prose_lines(path) for target in _LINK.findall(line)}
 
 
 def inline_commands(path: Path) -> set[str]:
-    return {" ".join(cmd.split()) for line in _prose(path) for cmd in _INLINE_COMMAND.findall(line)}
+    return {" ".join(cmd.split()) for line in prose_lines(path) for cmd in _INLINE_COMMAND.findall(line)}
 
 
 def code(path: Path) -> list[tuple]:
@@ -71,7 +57,7 @@ def test_same_links_and_each_links_the_other():
         assert target.startswith("http") or (REPO / target.split("#")[0]).exists(), target
 
 
-def test_same_commands_in_prose():
+def test_same_commands_inprose_lines():
     assert inline_commands(ZH) == inline_commands(EN)
 
 

@@ -17,7 +17,7 @@ import re
 from pathlib import Path
 
 import pytest
-from docblocks import REPO, parse
+from docblocks import REPO, parse, prose_lines
 
 ZH_DIR = REPO / "docs" / "zh-CN"
 GLOSSARY = ZH_DIR / "glossary.md"
@@ -25,7 +25,6 @@ ZH_PAGES = [REPO / "README.zh-CN.md", *sorted(ZH_DIR.glob("*.md"))]
 PARTIAL = {"checkpoint.md"}  # translated from the top down: its blocks are a prefix of the English page's
 ENGLISH_MARK = "（英文）"
 
-_FENCE = re.compile(r"^(```+|~~~+)")
 _CODE_SPAN = re.compile(r"(`+)(.+?)\1", re.DOTALL)
 _COMMENT = re.compile(r"<!--.*?-->", re.DOTALL)
 _LINK = re.compile(r"\[([^\]]*)\]\(([^)\s]+)\)")
@@ -34,20 +33,6 @@ _HEADING = re.compile(r"^(#{2,6}) \S")
 
 def _rel(path: Path) -> str:
     return str(path.relative_to(REPO)) if path.is_relative_to(REPO) else path.name
-
-
-def prose_lines(path: Path) -> list[str]:
-    """The page's lines outside fenced blocks."""
-    lines, fence = [], ""
-    for line in path.read_text(encoding="utf-8").splitlines():
-        mark = _FENCE.match(line)
-        if fence:
-            fence = "" if line.strip() == fence else fence
-        elif mark:
-            fence = mark.group(1)
-        else:
-            lines.append(line)
-    return lines
 
 
 def prose(path: Path) -> str:
