@@ -17,12 +17,28 @@ from meshrun.checkpoint import manifest as mf
 from meshrun.errors import ConfigError
 
 
-def _checkpointer(run_dir, keep=1):
+@pytest.fixture
+def make_checkpointer():
+    """Checkpointers for one process, closed at the end: a Checkpointer holds SIGTERM and SIGINT
+    from its construction, and a handler left behind makes every later forked child of this
+    pytest process ignore SIGTERM (a Pool's terminate() then waits for ever)."""
+    import signal
+
     from meshrun.checkpoint.manager import Checkpointer
     from meshrun.config import CheckpointSection
 
-    env = SimpleNamespace(rank=0, world_size=1, is_main=True, device=torch.device("cpu"))
-    return Checkpointer(CheckpointSection(keep=keep), run_dir=run_dir, env=env, layout={})
+    before = [signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)]
+    made = []
+
+    def make(run_dir, keep=1):
+        env = SimpleNamespace(rank=0, world_size=1, is_main=True, device=torch.device("cpu"))
+        made.append(Checkpointer(CheckpointSection(keep=keep), run_dir=run_dir, env=env, layout={}))
+        return made[-1]
+
+    yield make
+    for ckpt in made:
+        ckpt.close()
+    assert [signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)] == before
 
 
 def _commit(ckpt, step):
@@ -42,8 +58,8 @@ def _names(root):
                   for p in root.iterdir() if p.is_dir())
 
 
-def test_rotation_deletes_its_own_checkpoints_and_keeps_one_holding_a_user_file(tmp_path):
-    ckpt = _checkpointer(tmp_path, keep=1)
+def test_rotation_deletes_its_own_checkpoints_and_keeps_one_holding_a_user_file(tmp_path, make_checkpointer):
+    ckpt = make_checkpointer(tmp_path, keep=1)
     first = _commit(ckpt, 1)
     (first / "model.safetensors").write_bytes(b"the user's export")  # `ckpt export` into the checkpoint
     _commit(ckpt, 2)
@@ -59,8 +75,8 @@ def test_rotation_deletes_its_own_checkpoints_and_keeps_one_holding_a_user_file(
     assert [p.name for p in mf.committed(ckpt.root)] == ["step-00000004"]  # never resumed from
 
 
-def test_a_step_saved_again_keeps_the_old_directory_when_it_holds_a_user_file(tmp_path):
-    ckpt = _checkpointer(tmp_path, keep=3)
+def test_a_step_saved_again_keeps_the_old_directory_when_it_holds_a_user_file(tmp_path, make_checkpointer):
+    ckpt = make_checkpointer(tmp_path, keep=3)
     old = _commit(ckpt, 2)
     (old / "notes.txt").write_text("mine")
     _commit(ckpt, 2)  # a redone step after a restart

@@ -84,6 +84,9 @@ _worker_state: tuple[Tokenizer, str] | None = None
 def _init_worker(tokenizer: Tokenizer, dtype: str) -> None:
     global _worker_state
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C: the parent stops the pool, one line, no tracebacks
+    # the pool's terminate() must end a worker whatever SIGTERM handler the parent held when it forked
+    # (a flag-only preemption handler made terminate() wait for ever on an idle worker)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one core per worker: --workers counts the cores used
     torch = sys.modules.get("torch")  # a library caller's: its threads would only compete with the workers
     if torch is not None:
