@@ -60,6 +60,8 @@ from meshrun.runtime.events import process_start_time
 
 GROUPS = 2
 QUIET_TAIL_STEPS = 20  # no kill this close to the end: a heal took up to 9 of the survivor's steps under load
+QUIET_TAIL_S = 6.0  # nor this close at the run's pace (or twice the longest recovery yet): a replacement started
+# under load can take seconds, and one back after the survivors finished has nobody to heal from (it stops)
 PARTS = ("restart", "init", "heal", "joint", "total", "pause", "alone")
 
 
@@ -100,9 +102,16 @@ def run(cmd: list[str], run_dir: Path, *, kill_every: float | None, timeout: flo
     def act(pid: int, kills: list, rng: random.Random, due: bool, deadline: float) -> bool:
         rows, events = _records(run_dir)
         _note_restarts(kills, events)
-        if not (due and _all_joined(rows, events, kills[-1]["at"] if kills else 0)):
+        if not _all_joined(rows, events, kills[-1]["at"] if kills else 0):
+            return False
+        if kills and "joined" not in kills[-1]:
+            kills[-1]["joined"] = time.time()  # about: seen within the supervisor's poll
+        if not due:
             return False
         if steps and rows and max(r["step"] for r in rows) >= steps - QUIET_TAIL_STEPS:
+            return False
+        longest = max((k["joined"] - k["at"] for k in kills), default=0.0)
+        if steps and _seconds_left(rows, steps) < max(QUIET_TAIL_S, 2 * longest):
             return False
         pids = _current(events)
         group = rng.randrange(GROUPS)
@@ -120,6 +129,15 @@ def run(cmd: list[str], run_dir: Path, *, kill_every: float | None, timeout: flo
     return {**done, "rows": rows, "events": events,
             "end": max(r["time"] for r in rows), "steps": max(r["step"] for r in rows),
             "acc": ledger.account(rows, GROUPS, events)}
+
+
+def _seconds_left(rows: list[dict], steps: int) -> float:
+    """The seconds until step `steps` at the pace of the last 10 committed steps."""
+    last = sorted({r["step"]: r["time"] for r in sorted(rows, key=lambda r: r["time"])}.items())[-10:]
+    if len(last) < 2:
+        return float("inf")
+    pace = (last[-1][1] - last[0][1]) / (last[-1][0] - last[0][0])
+    return (steps - last[-1][0]) * pace
 
 
 def _note_restarts(kills: list[dict], events: list[dict]) -> None:

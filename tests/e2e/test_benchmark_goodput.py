@@ -42,7 +42,7 @@ def test_exact_mode_and_torchrun_baseline_recover_every_kill_bitwise():
 
 @pytest.mark.skipif(importlib.util.find_spec("torchft") is None, reason="the torchft extra is not installed")
 def test_torchft_mode_keeps_survivors_and_accounts_for_every_sample():
-    result = run_proc([sys.executable, GOODPUT, "--mode", "torchft", "--steps", "160", "--kill-every", "4",
+    result = run_proc([sys.executable, GOODPUT, "--mode", "torchft", "--steps", "240", "--kill-every", "4",
                        "--side-by-side", "--minutes", "2"], timeout=500)
     assert result.returncode == 0, result.output[-4000:]
     out = result.stdout

@@ -139,3 +139,52 @@ def test_killed_group_heals_from_survivor_without_stopping_it(tmp_path):
     # The survivor's quorum shrank to itself, then grew back. A quorum of 2 may come first: one the
     # lighthouse formed before the dead group's heartbeat lapsed (its step then fails and is retried).
     assert 1 in sizes and 2 in sizes[sizes.index(1):], sizes
+
+
+def _parent(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
+def test_a_group_back_after_the_others_finished_stops_instead_of_training_alone(tmp_path):
+    """Group 1's worker is killed and its agent held (SIGSTOP) until group 0 has finished the run;
+    the replacement then finds nobody to heal from. It must stop (exit 0, no final weights of its
+    own), not train the run again from its own step as a second lineage whose weights differ."""
+    run_dir, records, log = tmp_path / "ft", tmp_path / "ft" / "torchft", tmp_path / "train.log"
+    steps = 40
+    # The first quorum waits for both groups (join timeout): group 1 starts with group 0, not after its end.
+    cmd = [str(BIN / "meshrun"), "train", TINY, "--set", "train.name=ft", "--set", f"train.run_dir={tmp_path}",
+           "--set", "fault.mode=torchft", "--set", "fault.heartbeat_timeout_ms=1000", "--set", f"train.steps={steps}",
+           "--set", "fault.join_timeout_ms=60000",
+           "--set", "train.eval_interval=0", "--set", "checkpoint.interval=0", "--set", "optim.warmup_steps=0",
+           "--max-restarts", "1"]
+    with open(log, "wb") as out:  # exec'd workers: the agent is the worker's parent
+        proc = subprocess.Popen(cmd, cwd=tmp_path, env=child_env({"MESHRUN_PRELOAD": "0"}), stdout=out,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.monotonic() + DEADLINE_S
+    agent = None
+    try:
+        _wait("2 steps of group 1", lambda: len(_rows(records, 1)) >= 2, proc, deadline, log)
+        [first] = _starts(records, 1)
+        agent = _parent(first["pid"])
+        os.kill(agent, signal.SIGSTOP)
+        os.kill(first["pid"], signal.SIGKILL)
+        _wait("group 0's end", lambda: any(e["event"] == "done" and e["group"] == 0 for e in ledger.read_events(records)),
+              proc, deadline, log)
+        os.kill(agent, signal.SIGCONT)
+        agent = None
+        code = proc.wait(timeout=max(deadline - time.monotonic(), 1))
+    finally:
+        if agent is not None:
+            os.kill(agent, signal.SIGCONT)
+        kill_tree(proc.pid)
+    text = log.read_text()
+    assert code == 0, text[-4000:] + _group_logs(tmp_path)
+    starts1 = _starts(records, 1)
+    assert len(starts1) == 2, starts1  # the agent did restart the killed worker
+    ended = [e for e in ledger.read_events(records) if e["event"] == "ended"]
+    assert [(e["group"], e["pid"], e["finished_by"]) for e in ended] == [(1, starts1[1]["pid"], [0])], ended
+    assert not [r for r in _rows(records, 1) if r["pid"] == starts1[1]["pid"]], "the replacement trained alone"
+    summary = json.loads((records / "summary.json").read_text())
+    assert not summary["weights_differ"] and summary["final_weights_group"] == 0, summary["lines"]
+    assert "group(s) [0] had finished the run" in summary["lines"][1], summary["lines"]
+    assert (run_dir / "model.pt").exists() and not (run_dir / "replica-1" / "finished.json").exists()

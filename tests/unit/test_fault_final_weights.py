@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from meshrun.fault import ledger
 from meshrun.fault.launch import (
     final_weights_group,
     job_exit_code,
@@ -57,3 +58,14 @@ def test_the_job_succeeds_when_a_group_finished_the_run():
     assert job_exit_code([1, 1], None, None) == 1  # nobody finished: the first failure is the job's
     assert job_exit_code([0, 0], 15, 0) == 128 + 15  # stopped by SIGTERM: saved, to be re-run
     assert job_exit_code([0, 0], None, 0) == 0
+    assert job_exit_code([0, 0], None, 0, diverged=True) == 1  # groups' weights differed at a step: broken
+
+
+def test_a_group_that_stopped_because_the_others_finished_says_so(tmp_path):
+    records = tmp_path / "torchft"
+    records.mkdir()
+    ledger.record_event(records, "launch", groups=2)
+    ledger.record_event(records, "start", group=1, step=0)
+    ledger.record_event(records, "ended", group=1, step=0, finished_by=[0])
+    lines = summarize(records, 2, [0, 0], seconds=1.0)["lines"]
+    assert lines[1].endswith("; stopped at step 0: group(s) [0] had finished the run"), lines

@@ -146,9 +146,10 @@ class Checkpointer:
             self.save(state, blocking=not self.cfg.async_save)
         self.snapshots.step_done(state)
 
-    def finish(self, state: TrainState) -> None:
-        """A last checkpoint at the final step (when checkpoints are on); waits for any background write."""
-        if self.cfg.interval and self._last_saved != state.step:
+    def finish(self, state: TrainState, *, final_save: bool = True) -> None:
+        """A last checkpoint at the final step (when checkpoints are on and `final_save`); waits for
+        any background write."""
+        if final_save and self.cfg.interval and self._last_saved != state.step:
             self.save(state, blocking=True)
         self._wait()
         self.snapshots.finish()  # the last peer-host copy (snapshot_peer.py)

@@ -100,6 +100,7 @@ def run_replica_groups(cfg: JobConfig, plan, run_dir: Path) -> int:
     fault = cfg.fault
     records = run_dir / RECORDS_DIR
     records.mkdir(exist_ok=True)
+    ledger.record_event(records, "launch", groups=fault.replica_groups)  # events before it are an earlier start's
     lighthouse = coordination.LighthouseServer(
         bind="[::]:0", min_replicas=fault.min_replicas, join_timeout_ms=fault.join_timeout_ms,
         quorum_tick_ms=QUORUM_TICK_MS, heartbeat_timeout_ms=fault.heartbeat_timeout_ms)
@@ -143,15 +144,22 @@ def run_replica_groups(cfg: JobConfig, plan, run_dir: Path) -> int:
     (records / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     for line in summary["lines"]:
         print(f"meshrun train: torchft: {line}", file=sys.stderr)
-    return job_exit_code(codes, stopped_by[0] if stopped_by else None, writer)
+    if summary["weights_differ"]:
+        print(f"meshrun train: torchft: error: replica groups committed the same step with different weights "
+              f"(steps {summary['weights_differ']}); the final weights are not trustworthy: see "
+              f"{records / 'summary.json'} and the groups' logs", file=sys.stderr)
+    return job_exit_code(codes, stopped_by[0] if stopped_by else None, writer, bool(summary["weights_differ"]))
 
 
-def job_exit_code(codes: list[int], signum: int | None, writer: int | None) -> int:
-    """128 + the signal that stopped the job; 0 when a group finished the run (its weights are the
-    run's: a group that gave up meanwhile is what torchft mode tolerates, and the summary names
-    it); else the first group's non-zero exit code."""
+def job_exit_code(codes: list[int], signum: int | None, writer: int | None, diverged: bool = False) -> int:
+    """128 + the signal that stopped the job; 1 when groups committed a step with different weights
+    (a broken run, whoever finished); 0 when a group finished the run (its weights are the run's: a
+    group that gave up meanwhile is what torchft mode tolerates, and the summary names it); else the
+    first group's non-zero exit code."""
     if signum is not None:
         return 128 + signum
+    if diverged:
+        return 1
     if writer is not None:
         return 0
     return next((code for code in codes if code), 0)
@@ -210,9 +218,12 @@ def summarize(records: Path, num_groups: int, codes: list[int], *, seconds: floa
                        "committed_steps": acc.by_group.get(group, 0),
                        "steps_with_fewer_groups": acc.alone.get(group, 0)})
         heal_text = ", ".join(f"step {h['from_step']} -> {h['to_step']} in {h['seconds']:.2f} s" for h in heals)
+        ended = [e for e in mine if e["event"] == "ended"]
         lines.append(f"group {group}: exit {codes[group]}, {max(len(pids) - 1, 0)} restart(s), "
                      f"{len(heals)} heal(s){' (' + heal_text + ')' if heals else ''}, "
-                     f"{acc.by_group.get(group, 0)} steps committed ({acc.alone.get(group, 0)} with fewer groups)")
+                     f"{acc.by_group.get(group, 0)} steps committed ({acc.alone.get(group, 0)} with fewer groups)"
+                     + "".join(f"; stopped at step {e['step']}: group(s) {e['finished_by']} had finished the run"
+                               for e in ended))
     lines.append(ledger.describe(acc))
     lines.append("final weights: none written, no group finished" if weights_by is None else
                  f"final weights {FINAL_WEIGHTS} written by group {weights_by}"

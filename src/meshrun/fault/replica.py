@@ -196,6 +196,8 @@ class Replica:
                 started = time.time()
                 self.manager.start_quorum()
                 self._after_quorum(state, metrics, started)
+                if self._finished_elsewhere(state.step, total):
+                    return  # the trainer sees state.step < total: no final weights from this group
                 before, schedule = loader.state_dict(), schedule_state(schedulers)
                 yield state.step + 1
                 if self.optimizer.committed:
@@ -234,6 +236,29 @@ class Replica:
             if metrics is not None:
                 metrics.log_meta(event="torchft_quorum", step=state.step + 1, group=self.group, quorum_size=size,
                                  participating_rank=rank, healed=healed is not None, heals=self.heals)
+
+    def _finished_elsewhere(self, step: int, total: int) -> bool:
+        """Whether groups missing from this quorum finished the run (their "done" at `total`, since
+        this job's launch) while this one was away. Nobody is left to heal from: stepping on alone,
+        from `step`, would be a second lineage whose weights differ from the run's result. Every
+        rank of the group decides alike (the quorum is the group's; a rank that reads the events
+        first must not step alone)."""
+        if self.manager.num_participants() >= self.num_groups:
+            return False
+        events = ledger.read_events(self.records)
+        since = max((e["time"] for e in events if e["event"] == "launch"), default=0.0)
+        done = [e for e in events if e["event"] == "done" and e["group"] != self.group and e["time"] >= since
+                and e["step"] >= total]
+        if self.group_size > 1:
+            flag = torch.tensor([1.0 if done else 0.0])
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            finished = bool(flag.item())
+        else:
+            finished = bool(done)
+        if finished and self.writer:
+            by = sorted({e["group"] for e in done})  # the worker says so (train/worker.py)
+            ledger.record_event(self.records, "ended", group=self.group, step=step, finished_by=by)
+        return finished
 
     @staticmethod
     def _resplit(loader, num_replicas: int, rank: int) -> None:

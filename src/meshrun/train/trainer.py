@@ -58,7 +58,10 @@ logger = logging.getLogger(__name__)
 class StepSource(Protocol):
     """Which steps the loop runs, and what ends each one. Exact mode: `ExactSteps`. torchft mode:
     meshrun.fault's Replica (quorum, heal, retry of an uncommitted step), which meshrun.fault.worker
-    hands to `train` as its `steps` factory; the loop knows only this protocol."""
+    hands to `train` as its `steps` factory; the loop knows only this protocol.
+
+    `steps` may end before `total`: the run's result is then another worker's (torchft: the other
+    replica groups finished the run while this one was away), and `train` raises `EndedElsewhere`."""
 
     def steps(self, state: TrainState, total: int, metrics: MetricsLogger | None = None) -> Iterable[int]: ...
 
@@ -73,6 +76,15 @@ class ExactSteps:
 
     def step_done(self, checkpointer: Checkpointer, state: TrainState) -> None:
         checkpointer.step_done(state)
+
+
+class EndedElsewhere(Exception):  # noqa: N818 - a control-flow signal, not an error
+    """The step source ended the loop at `step`, before the last: this worker writes no final
+    weights and no finished.json (the run's result is another worker's) and exits 0."""
+
+    def __init__(self, step: int, total: int):
+        super().__init__(f"stopped at step {step} of {total}: the run was finished by its other replica groups")
+        self.step, self.total = step, total
 
 
 # Builds the step source once the layout and the resumed state exist (it may wrap both in place).
@@ -163,6 +175,11 @@ def _loop(run: _Run, cfg: JobConfig, env: DistEnv, run_dir: Path, profiler: Step
             _evaluate(run, cfg, step, metrics, progress)
         run.steps.step_done(run.checkpointer, state)  # checkpoint every interval steps (torchft: if committed)
     profiler.close()
+    if state.step < tcfg.steps:  # the step source stopped: nothing of this worker's is the run's result
+        run.checkpointer.finish(state, final_save=False)
+        progress.close()
+        metrics.close()
+        raise EndedElsewhere(state.step, tcfg.steps)
     run.checkpointer.finish(state)
     _evaluate(run, cfg, tcfg.steps, metrics, progress)
     progress.close()

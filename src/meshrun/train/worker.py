@@ -68,7 +68,10 @@ def main(argv: list[str] | None = None, steps=None) -> int:
     env = session.init()
     events.record(run_dir, "pg_ready")
     from meshrun.checkpoint import Preempted
-    from meshrun.train.trainer import train  # after init: heavy imports off the error path
+    from meshrun.train.trainer import (  # after init: heavy imports off the error path
+        EndedElsewhere,
+        train,
+    )
 
     try:
         result = train(cfg, env, run_dir, profile, steps=steps)
@@ -78,6 +81,11 @@ def main(argv: list[str] | None = None, steps=None) -> int:
             print(f"meshrun train: {exc}; re-run the same command to continue", file=sys.stderr)
         session.shutdown()
         stopped_by_agent()  # a forked worker exits now, not after torch's 30 s (launch/preload.py)
+        return 0
+    except EndedElsewhere as exc:
+        if env.is_main:
+            print(f"meshrun train: {run_dir}: {exc}; their final weights are the run's", file=sys.stderr)
+        session.shutdown()
         return 0
     except MeshrunError as exc:
         # Bad input found on the workers (data file, model factory): one line, exit 2.
