@@ -1,0 +1,2 @@
+"""`meshrun submit`: one job description (job.py), written out for a cluster's scheduler
+(slurm.py: an sbatch script; kubernetes.py: a Kubeflow TrainJob or a JobSet)."""
