@@ -34,6 +34,8 @@ class SubmitJob:
     account: str | None = None  # SLURM
     extra: tuple[str, ...] = ()  # the scheduler's own lines, passed through (e.g. "--mem=8G" for #SBATCH)
     image: str | None = None  # Kubernetes: the container image holding meshrun and the config
+    volume: str | None = None  # Kubernetes: the PersistentVolumeClaim mounted at run_root on every node
+    namespace: str | None = None  # Kubernetes: the namespace (kubectl's current one if None)
     env: dict[str, str] = field(default_factory=dict)  # set on every node
 
     def __post_init__(self):
