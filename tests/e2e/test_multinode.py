@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 from conftest import BIN, EXAMPLES, free_port
 
-from meshrun.testing.processes import kill_tree
+from meshrun.testing.processes import describe_tree, kill_tree
 
 ALL_REDUCE = """\
 import os, time
@@ -82,8 +82,9 @@ def _wait(proc: subprocess.Popen, timeout: float, log: Path) -> int:
     try:
         return proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
+        tree = describe_tree(proc.pid)  # the workers' stacks go to the log: read it after
         kill_tree(proc.pid)
-        pytest.fail(f"agent did not finish within {timeout}s:\n{log.read_text()[-3000:]}")
+        pytest.fail(f"agent did not finish within {timeout}s:\n{log.read_text()[-6000:]}\n{tree}")
 
 
 def _wait_for(path_or_port, timeout: float, procs: list[subprocess.Popen]) -> None:

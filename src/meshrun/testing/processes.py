@@ -46,6 +46,31 @@ def worker_pids(pid: int) -> list[int]:
     return found
 
 
+def describe_tree(pid: int, stacks_s: float = 2.0) -> str:
+    """For a job that did not end in time: each process under `pid` (pid, state, kernel wait
+    channel, command), after asking its launch workers for their Python stacks (SIGUSR2: the
+    workers' faulthandler, on while the hang watchdog is, i.e. by default; the stacks go to the
+    job's log). Call it before kill_tree."""
+    workers = worker_pids(pid)
+    for worker in workers:
+        try:
+            os.kill(worker, signal.SIGUSR2)
+        except OSError:
+            pass
+    if workers:
+        time.sleep(stacks_s)
+    lines = []
+    for proc in [pid, *descendants(pid)]:
+        try:
+            state = Path(f"/proc/{proc}/stat").read_text().rsplit(")", 1)[1].split()[0]
+            wchan = Path(f"/proc/{proc}/wchan").read_text().strip() or "-"
+        except OSError:
+            continue
+        command = _cmdline(proc).replace(b"\0", b" ").decode(errors="replace").strip()[:160]
+        lines.append(f"  {proc} {state} {wchan:<24} {'(worker) ' if proc in workers else ''}{command}")
+    return "process tree (pid, state, wait channel, command):\n" + "\n".join(lines)
+
+
 def group_members(pgid: int) -> list[int]:
     """The processes of process group `pgid` still running. A job started with start_new_session is one group."""
     return processes_in(group=pgid)
