@@ -22,7 +22,7 @@ __version__ = "0.1.0"
 __all__ = [
     "DistEnv", "Runtime", "MeshrunError", "init", "shutdown", "current", "print0",
     "prepare", "prepare_model", "prepare_dataloader", "__version__",
-    "heartbeat", "check_dataloader", "check_optimizer",
+    "heartbeat", "phase", "check_dataloader", "check_optimizer",
 ]
 
 if TYPE_CHECKING:
@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     from meshrun.debug.data_check import check_dataloader
     from meshrun.debug.optim_check import check_optimizer
     from meshrun.errors import MeshrunError
-    from meshrun.runtime.process import DistEnv, Runtime, heartbeat
+    from meshrun.runtime.process import DistEnv, Runtime, heartbeat, phase
     from meshrun.runtime.session import current, init, print0, shutdown
 
 _LAZY = {
@@ -45,6 +45,7 @@ _LAZY = {
     "prepare_model": "meshrun.api",
     "prepare_dataloader": "meshrun.api",
     "heartbeat": "meshrun.runtime.process",
+    "phase": "meshrun.runtime.process",
     "check_dataloader": "meshrun.debug.data_check",
     "check_optimizer": "meshrun.debug.optim_check",
 }

@@ -171,7 +171,12 @@ class Checkpointer:
 
         A write that fails on a full, read-only or failing disk raises DiskWriteError on every
         rank, after the .tmp directory is removed; the previous checkpoint and `latest` stay.
+        Announced to the hang watchdog: a save may take longer than a step.
         """
+        with process.phase("checkpoint"):
+            self._save(state, blocking=blocking)
+
+    def _save(self, state: TrainState, *, blocking: bool) -> None:
         self._wait()  # one write at a time
         if self._last_saved == state.step:
             return

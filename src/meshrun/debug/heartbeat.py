@@ -10,9 +10,12 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 RECENT = 8  # collectives kept for the hang report
+STEP_WINDOW = 50  # step times kept: the hang watchdog's bound follows their p99 (watchdog.py)
+SETUP_PHASE = "setup"  # the phase whose length bounds the first step (watchdog.py)
 
 
 @dataclass
@@ -33,11 +36,17 @@ class CollectiveRecord:
 
 
 class Heartbeat:
-    """Steps, batches and returned collectives counted; the last RECENT collectives kept."""
+    """Steps, batches and returned collectives counted; the last RECENT collectives kept; the
+    times between optimizer steps, and the slow phases (eval, checkpoint, compile) announced now."""
 
     def __init__(self) -> None:
         self.count = 0
         self.recent: deque[CollectiveRecord] = deque(maxlen=RECENT)
+        self.step_times: deque[float] = deque(maxlen=STEP_WINDOW)  # seconds between two optimizer steps
+        self._last_step: float | None = None  # None after a phase: its time is not a step's
+        self.phases: list[str] = []  # announced phases running now, outermost first
+        self.paced = False  # a phase was announced: the code says where its slow parts are
+        self.setup_s: float | None = None  # how long the SETUP_PHASE took
         # set while the hang watchdog reports: the process is about to exit, and an error the main
         # thread meets meanwhile (a peer that has already exited) is a consequence, not news
         self.hang_reported = threading.Event()
@@ -45,6 +54,30 @@ class Heartbeat:
 
     def beat(self) -> None:
         self.count += 1
+
+    def step(self) -> None:
+        """An optimizer step: progress, and the time since the previous one (outside phases)."""
+        self.count += 1
+        now = time.monotonic()
+        if self._last_step is not None and not self.phases:
+            self.step_times.append(now - self._last_step)
+        self._last_step = now
+
+    @contextmanager
+    def phase(self, what: str):
+        """A stretch that may take longer than a step (eval, checkpoint save, compile, setup): the
+        hang watchdog waits its long bound while any rank is in one; its end is progress."""
+        started = time.monotonic()
+        self.paced = True
+        self.phases.append(what)
+        try:
+            yield
+        finally:
+            self.phases.remove(what)
+            self.count += 1
+            self._last_step = None
+            if what == SETUP_PHASE:
+                self.setup_s = time.monotonic() - started
 
     def begin(self, record: CollectiveRecord) -> None:
         self.recent.append(record)

@@ -73,7 +73,7 @@ class DebugHooks:
         self.start_watchdog()  # now, not at the first collective: a rank that never gets there is a hang too
         progress = self.heartbeat
         self._handles = [
-            register_optimizer_step_post_hook(lambda *_: progress.beat()),
+            register_optimizer_step_post_hook(lambda *_: progress.step()),
             register_optimizer_step_pre_hook(first_step_check),  # FSDP2: optimizer built before fully_shard
         ]
         self._exit_with_process()
@@ -108,7 +108,7 @@ class DebugHooks:
         from meshrun.debug.watchdog import Watchdog
 
         skip = self.collectives.skip_dirs if self.collectives is not None else ()
-        self.watchdog = Watchdog(hang, rank, world, connect, skip, self.heartbeat)
+        self.watchdog = Watchdog(hang, rank, world, connect, skip, self.heartbeat, explicit=self.settings.explicit)
         self.watchdog.start()
 
     def collective_timeout(self, timeout: timedelta | None) -> timedelta | None:

@@ -10,7 +10,13 @@ error.json and exits with HANG_EXIT_CODE, so the elastic agent fails (or restart
 instead of waiting out torch's timeout.
 
 When is it a hang? Once any rank has made progress, whenever the counter stands still for the
-timeout. Before that (start-up, loading) only when some rank has waited inside a collective for
+bound (`hang_bound`). With --hang-timeout given, the bound is that fixed value. By default it follows the
+run's own pace: STEP_FACTOR x the p99 of the last steps' times, at least STEP_FLOOR_S (a rank
+stopped mid-training is found in seconds, not in the 300 s default), once the code has announced
+a phase (a plain script that never does keeps the long default: its eval would look like a hang); before the first steps,
+START_FACTOR x how long the announced setup took, at least START_FLOOR_S; the long default while
+any rank is in an announced phase (`meshrun.phase`: the trainer's eval, checkpoint saves,
+compiled first steps, setup), or when nothing is known yet. Never more than the long default. Before that (start-up, loading) only when some rank has waited inside a collective for
 the whole timeout: its peers are not coming, e.g. one rank stuck in user code before the job's
 first collective. The rank that raised the alarm then names the ranks that are not in a
 collective, from what each rank published (WHERE_KEY); a rank with no running watchdog (stuck
@@ -20,6 +26,7 @@ before importing torch) is asked for its stack with a signal when it runs on thi
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 import threading
@@ -36,15 +43,46 @@ REPORTED_KEY = "hang/reported"  # the alarm rank has printed the job-wide report
 LEFT_KEY = "hang/left"  # ranks that have finished (destroy_process_group, shutdown or exit)
 STARTED_KEY = "hang/started"  # watchdogs that have connected to the store
 STOPPED_KEY = "hang/stopped"  # watchdogs that have stopped using the store
+BUSY_KEY = "hang/busy"  # announced phases running now, job-wide
 DUMP_GRACE_S = 5.0  # how long the first rank waits for the others to print their stacks
+# The default bound (docs/diagnose.md, "How long before a hang is called"): a healthy step's time
+# varies by well under 2x (data, GC, a straggler); 5x the p99 of the last STEP_WINDOW steps leaves
+# room for that, and the floor for steps too short to time (a tiny model's 0.1 s) and for noise
+# from other jobs on the machine.
+STEP_FACTOR, STEP_FLOOR_S, MIN_STEPS = 5.0, 10.0, 3
+START_FACTOR, START_FLOOR_S = 5.0, 30.0  # the first steps, from the setup's length (they may build caches)
+
+
+def hang_bound(long_s: float, *, explicit: bool, busy: int, step_times, setup_s: float | None,
+               paced: bool = True) -> tuple[float, str]:
+    """How long the job-wide progress may stand still before it is a hang, and why that long.
+    `paced`: the code announces its slow phases (meshrun's trainer does); a script that never
+    does keeps the long default, since its own eval or save would look like a hang."""
+    if explicit:
+        return long_s, "--hang-timeout"
+    if not paced:
+        return long_s, "the default; a script that announces its slow phases (meshrun.phase) gets a bound from its step time"
+    if busy:
+        return long_s, "the default, while a rank is in an announced phase (eval, checkpoint, compile)"
+    times = sorted(step_times)
+    if len(times) >= MIN_STEPS:
+        p99 = times[math.ceil(0.99 * len(times)) - 1]
+        bound = min(long_s, max(STEP_FLOOR_S, STEP_FACTOR * p99))
+        return bound, f"{STEP_FACTOR:g} x the p99 step time {p99:.2f}s, at least {STEP_FLOOR_S:g}s; --hang-timeout fixes it"
+    if setup_s is not None:
+        bound = min(long_s, max(START_FLOOR_S, START_FACTOR * setup_s))
+        return bound, f"{START_FACTOR:g} x the setup's {setup_s:.1f}s, at least {START_FLOOR_S:g}s; --hang-timeout fixes it"
+    return long_s, "the default: no step timed yet"
 
 
 class Watchdog(threading.Thread):
     def __init__(self, timeout_s: float, rank: int, world_size: int, store_factory, skip_dirs,
-                 heartbeat: Heartbeat) -> None:
+                 heartbeat: Heartbeat, explicit: bool = True) -> None:
         super().__init__(name="meshrun-hang-watchdog", daemon=True)
         self.heartbeat = heartbeat
-        self.timeout_s = timeout_s
+        self.timeout_s = timeout_s  # the long bound (the fixed one when `explicit`)
+        self.explicit = explicit  # --hang-timeout given: never follow the steps' pace
+        self.bound_s, self.why = timeout_s, "--hang-timeout"  # the bound in force, for the report
         self.rank = rank
         self.world_size = world_size
         self.store_factory = store_factory
@@ -87,16 +125,22 @@ class Watchdog(threading.Thread):
         except Exception:  # noqa: BLE001
             return
         self.store = store
-        published = 0
+        published = published_busy = 0
         seen_total, changed_at = -1, time.monotonic()
+        beat = self.heartbeat
         while not self.stopped.wait(self.poll_s):
             try:
-                local = self.heartbeat.count
+                local = beat.count
                 if local != published:
                     total = store.add(PROGRESS_KEY, local - published)
                     published = local
                 else:
                     total = store.add(PROGRESS_KEY, 0)
+                busy = 0
+                if not self.explicit:
+                    phases = len(beat.phases)
+                    busy = store.add(BUSY_KEY, phases - published_busy)
+                    published_busy = phases
                 if store.check([ALARM_KEY]):
                     return self._fire(store, json.loads(store.get(ALARM_KEY)))
                 if store.add(LEFT_KEY, 0) > 0:  # a peer finished: the job is ending, its store may go
@@ -109,9 +153,11 @@ class Watchdog(threading.Thread):
                 self.store = None
                 return
             now = time.monotonic()
+            self.bound_s, self.why = hang_bound(self.timeout_s, explicit=self.explicit, busy=busy,
+                                                step_times=beat.step_times, setup_s=beat.setup_s, paced=beat.paced)
             if total != seen_total:
                 seen_total, changed_at = total, now
-            elif now - changed_at >= self.timeout_s and (total > 0 or self._waited_in_collective()):
+            elif now - changed_at >= self.bound_s and (total > 0 or self._waited_in_collective()):
                 alarm = {"rank": self.rank, "time": time.time(), "idle_s": round(now - changed_at, 1)}
                 try:  # the first rank to see it sets the alarm; everyone reports that one
                     alarm = json.loads(store.compare_set(ALARM_KEY, "", json.dumps(alarm)))
@@ -166,7 +212,7 @@ class Watchdog(threading.Thread):
             state, where = "torch", f"waiting inside torch (a collective or a kernel) called from {site}"
         else:
             state, where = "user", f"stalled in user code at {site}"
-        head = (f"hang watchdog: no rank made progress for {self.timeout_s:g}s (--hang-timeout); "
+        head = (f"hang watchdog: no rank made progress for {self.bound_s:.3g}s ({self.why}); "
                 f"rank {self.rank} is {where}")
         err = sys.stderr
         print(f"meshrun: {head}", file=err)

@@ -44,6 +44,7 @@ from meshrun.fault.settings import (
     NUM_GROUPS_ENV,
     RECORDS_ENV,
 )
+from meshrun.runtime.process import phase
 
 logger = logging.getLogger(__name__)
 
@@ -194,7 +195,8 @@ class Replica:
         try:
             while state.step < total:
                 started = time.time()
-                self.manager.start_quorum()
+                with phase("torchft quorum"):  # waits for the other groups, heals: not a step
+                    self.manager.start_quorum()
                 self._after_quorum(state, metrics, started)
                 if self._finished_elsewhere(state.step, total):
                     return  # the trainer sees state.step < total: no final weights from this group

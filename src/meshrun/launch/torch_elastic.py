@@ -21,6 +21,7 @@ import argparse
 import contextlib
 import logging
 import os
+import signal
 import time
 from collections.abc import Iterator, Mapping, MutableMapping
 from typing import TYPE_CHECKING
@@ -183,6 +184,9 @@ def _leftovers_ended() -> Iterator[None]:
             self._meshrun_workers = dict(self.pids())
 
     def closed(self, *args, **kwargs) -> None:  # noqa: ANN001, ANN002, ANN003 - torch's signature
+        for pid in getattr(self, "_meshrun_workers", {}).values():  # a stopped worker (SIGSTOP, a frozen
+            with contextlib.suppress(OSError):  # host) acts on torch's SIGTERM only once continued
+                os.kill(pid, signal.SIGCONT)
         try:
             close(self, *args, **kwargs)
         finally:

@@ -126,3 +126,11 @@ def heartbeat() -> None:
     runtime = _runtime
     if runtime is not None:
         runtime.heartbeat.count += 1
+
+
+def phase(what: str):
+    """`with meshrun.phase("eval"): ...`: announce a stretch that may take longer than a training
+    step (an eval, a checkpoint save, a compiled first step, loading). By default the hang
+    watchdog's bound follows the step time (debug/watchdog.py); while any rank is in a phase it
+    waits the long default instead. Cheap: a list append and remove."""
+    return get().heartbeat.phase(what)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -24,6 +25,7 @@ from meshrun.checkpoint.state import TrainState
 from meshrun.config import JobConfig, as_dict
 from meshrun.data.loader import build_loaders
 from meshrun.data.tokenizer import load_tokenizer
+from meshrun.debug.heartbeat import SETUP_PHASE
 from meshrun.metrics.logger import MetricsLogger
 from meshrun.metrics.progress import ProgressBar
 from meshrun.metrics.system import (
@@ -39,7 +41,7 @@ from meshrun.parallel.layout import BuiltLayout, build_layout, is_meta
 from meshrun.parallel.resolve import ModelShape, ParallelOptions, resolve_layout, torch_dtype
 from meshrun.rundir.runs import write_finished
 from meshrun.runtime.alloc import MemoryMarks
-from meshrun.runtime.process import DistEnv
+from meshrun.runtime.process import DistEnv, phase
 from meshrun.train.derived import (
     flops_per_token,
     layout_record,
@@ -54,6 +56,7 @@ from meshrun.train.seed import seed_everything
 from meshrun.train.step import layout_evaluate, layout_mean_loss, layout_step
 
 logger = logging.getLogger(__name__)
+COMPILE_STEPS = 2  # a compiled layout's first steps compile (announced to the hang watchdog)
 
 class StepSource(Protocol):
     """Which steps the loop runs, and what ends each one. Exact mode: `ExactSteps`. torchft mode:
@@ -123,7 +126,8 @@ def train(cfg: JobConfig, env: DistEnv, run_dir: Path, profile: StepRange | None
           steps: StepSourceFactory | None = None) -> TrainResult:
     """Train as `cfg` says on the current world; rank 0 writes metrics and the final weights.
     `steps`: the step source's factory (torchft mode's, from meshrun.fault.worker); None = exact."""
-    run = _setup(cfg, env, run_dir)
+    with phase(SETUP_PHASE):  # the hang watchdog bounds the first steps by the setup's length
+        run = _setup(cfg, env, run_dir)
     with run.checkpointer:  # its SIGTERM/SIGINT handlers are put back on every way out
         if steps is not None:  # torchft: wraps model and optimizer
             run.steps = steps(cfg, env, run.layout, run.state)
@@ -152,13 +156,17 @@ def _loop(run: _Run, cfg: JobConfig, env: DistEnv, run_dir: Path, profiler: Step
     layout.train()
     if state.step == 0:  # a resumed run has its step-0 eval already
         _evaluate(run, cfg, 0, metrics, progress)
+    compiled_steps = 0
     for step in run.steps.steps(state, tcfg.steps, metrics):  # exact: range(state.step + 1, steps + 1)
         profiler.at(step)  # --profile: ends the previous step's span, starts this one's
         timer.start()
         log_now = step % cfg.metrics.interval == 0 or step == tcfg.steps
-        loss, grad_norm, compute_s = layout_step(
-            layout, state.optimizers, state.train_loader, grad_accum=tcfg.grad_accum, dtype=tcfg.dtype,
-            grad_clip=tcfg.grad_clip, need_grad_norm=log_now, scaler=state.scaler)
+        # inductor compiles in a compiled layout's first calls (and again for the first step that logs)
+        with phase("compile") if layout.compiled and compiled_steps < COMPILE_STEPS else nullcontext():
+            loss, grad_norm, compute_s = layout_step(
+                layout, state.optimizers, state.train_loader, grad_accum=tcfg.grad_accum, dtype=tcfg.dtype,
+                grad_clip=tcfg.grad_clip, need_grad_norm=log_now, scaler=state.scaler)
+        compiled_steps += 1
         lr = state.schedulers[0].get_last_lr()[0]
         for scheduler in state.schedulers:
             scheduler.step()
@@ -185,7 +193,8 @@ def _loop(run: _Run, cfg: JobConfig, env: DistEnv, run_dir: Path, profiler: Step
     progress.close()
     run.memory.mark_trained()
 
-    weights = save_final_weights(layout, run_dir, env)
+    with phase("final weights"):
+        weights = save_final_weights(layout, run_dir, env)
     if env.is_main:  # after model.pt: the run is finished, and a restarted worker will not redo it
         write_finished(run_dir, tcfg.steps)
     run.memory.mark_end()
@@ -268,7 +277,8 @@ def _log_step(run: _Run, cfg: JobConfig, env: DistEnv, step: int, loss, grad_nor
 def _evaluate(run: _Run, cfg: JobConfig, step: int, metrics: MetricsLogger, progress: ProgressBar) -> None:
     if run.val_loader is None:
         return
-    value = layout_evaluate(run.layout, run.val_loader, steps=cfg.train.eval_steps, dtype=cfg.train.dtype)
+    with phase("eval"):
+        value = layout_evaluate(run.layout, run.val_loader, steps=cfg.train.eval_steps, dtype=cfg.train.dtype)
     run.eval_losses.append((step, value))
     metrics.log_eval(step, eval_loss=value)
     progress.write(f"step {step}: eval loss {value:.4f}")

@@ -1,0 +1,118 @@
+"""The hang watchdog's default bound follows the run's own step time (debug/watchdog.py
+`hang_bound`), end to end through `meshrun train` on 2 gloo processes:
+
+- a rank SIGSTOPped mid-training is reported, the stopped rank named, in seconds (the fixed 300 s
+  default took the full 300);
+- a run whose every eval takes longer than that bound (a user model that sleeps in eval mode)
+  never fires: the trainer announces evals (`meshrun.phase`), so the watchdog waits its long bound.
+
+Detection times are printed (the figures for docs/diagnose.md); the tests bound them only by a
+deadline far below the old 300 s.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from conftest import BIN, TINY, child_env
+
+from meshrun.testing.processes import describe_tree, kill_tree, worker_pids
+
+pytestmark = pytest.mark.timeout(240)
+
+SLOW_EVAL = """\
+import time
+from torch import nn
+
+class Bigram(nn.Module):  # a model whose eval is slow: 0.6 s a batch, every rank
+    def __init__(self, vocab):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, vocab)
+
+    def forward(self, tokens):
+        if not self.training:
+            time.sleep(0.6)
+        return self.emb(tokens)
+
+def build(model_cfg, vocab_size):
+    return Bigram(vocab_size)
+"""
+
+
+def _rank_of(pid: int) -> int | None:  # exec'd workers (MESHRUN_PRELOAD=0): their environ has RANK
+    try:
+        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return None
+    return next((int(v[5:]) for v in environ if v.startswith(b"RANK=")), None)
+
+
+def _train(tmp_path: Path, *sets: str) -> tuple[subprocess.Popen, Path]:
+    log = tmp_path / "train.log"
+    cmd = [str(BIN / "meshrun"), "train", TINY, "--nproc-per-node", "2", "--set", "train.name=pace",
+           "--set", f"train.run_dir={tmp_path}", "--set", "checkpoint.interval=0", *sum((["--set", s] for s in sets), [])]
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, cwd=tmp_path, env=child_env({"PYTHONPATH": str(tmp_path), "MESHRUN_PRELOAD": "0"}), stdout=out,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+    return proc, log
+
+
+def _wait_for(what: str, check, proc: subprocess.Popen, log: Path, timeout: float):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if check():
+            return
+        if proc.poll() is not None:
+            pytest.fail(f"meshrun train exited ({proc.returncode}) before {what}:\n{log.read_text()[-4000:]}")
+        time.sleep(0.1)
+    tree = describe_tree(proc.pid)
+    kill_tree(proc.pid)
+    pytest.fail(f"no {what} within {timeout:.0f}s:\n{log.read_text()[-6000:]}\n{tree}")
+
+
+def test_a_rank_stopped_mid_training_is_named_in_seconds(tmp_path):
+    proc, log = _train(tmp_path, "train.steps=100000", "train.eval_interval=0", "train.log_interval=10")
+    try:
+        _wait_for("step 30", lambda: re.search(r"step [3-9]\d/|step \d{3,}/", log.read_text()), proc, log, 120)
+        # Watchdogs publish a phase's end at their next poll (1 s): a rank frozen before that leaves
+        # the job in the eval phase just ended, and the long bound applies (docs/diagnose.md).
+        time.sleep(2.5)
+        ranks = {_rank_of(pid): pid for pid in worker_pids(proc.pid)}
+        os.kill(ranks[1], signal.SIGSTOP)
+        stopped = time.monotonic()
+        _wait_for("hang report", lambda: "hang watchdog" in log.read_text(), proc, log, 90)
+        detected = time.monotonic() - stopped
+        code = proc.wait(timeout=60)
+        ended = time.monotonic() - stopped
+    finally:
+        kill_tree(proc.pid)
+    text = log.read_text()
+    print(f"\nhang, rank 1 SIGSTOPped mid-training: reported after {detected:.1f} s, job ended after {ended:.1f} s")
+    assert code != 0, text[-4000:]
+    head = next(line for line in text.splitlines() if "hang watchdog: no rank made progress" in line)
+    assert "the p99 step time" in head, head  # the bound came from the steps, not the 300 s default
+    assert re.search(r"not in a collective and not answering: rank 1\b", text), text[-4000:]
+    assert "Rank 1" in text.split("hang watchdog")[-1] or "rank 1" in text.split("hang watchdog")[-1], text[-4000:]
+
+
+def test_a_slow_eval_never_fires_the_watchdog(tmp_path):
+    (tmp_path / "sloweval.py").write_text(SLOW_EVAL)
+    # Every eval (20 batches) takes ~12 s, longer than the pace-based bound (10 s for these ~10 ms steps).
+    proc, log = _train(tmp_path, "model.factory=sloweval:build", "train.steps=45", "train.eval_interval=20",
+                       "train.eval_steps=20", "train.log_interval=5")
+    try:
+        code = proc.wait(timeout=200)
+    except subprocess.TimeoutExpired:
+        code = None
+    finally:
+        kill_tree(proc.pid)
+    text = log.read_text()
+    assert code == 0, text[-4000:]
+    assert "hang watchdog" not in text, text[-4000:]
+    assert len(re.findall(r"eval loss", text)) >= 3, text[-4000:]
