@@ -156,17 +156,20 @@ def _loop(run: _Run, cfg: JobConfig, env: DistEnv, run_dir: Path, profiler: Step
     layout.train()
     if state.step == 0:  # a resumed run has its step-0 eval already
         _evaluate(run, cfg, 0, metrics, progress)
-    compiled_steps = 0
+    compiled_steps, compiled_kinds = 0, set()
     for step in run.steps.steps(state, tcfg.steps, metrics):  # exact: range(state.step + 1, steps + 1)
         profiler.at(step)  # --profile: ends the previous step's span, starts this one's
         timer.start()
         log_now = step % cfg.metrics.interval == 0 or step == tcfg.steps
-        # inductor compiles in a compiled layout's first calls (and again for the first step that logs)
-        with phase("compile") if layout.compiled and compiled_steps < COMPILE_STEPS else nullcontext():
+        # inductor compiles in a compiled layout's first calls, and again for the first step that logs
+        # (it then also computes the grad norm): those are announced, so the hang watchdog waits them out
+        compiling = layout.compiled and (compiled_steps < COMPILE_STEPS or log_now not in compiled_kinds)
+        with phase("compile") if compiling else nullcontext():
             loss, grad_norm, compute_s = layout_step(
                 layout, state.optimizers, state.train_loader, grad_accum=tcfg.grad_accum, dtype=tcfg.dtype,
                 grad_clip=tcfg.grad_clip, need_grad_norm=log_now, scaler=state.scaler)
         compiled_steps += 1
+        compiled_kinds.add(log_now)
         lr = state.schedulers[0].get_last_lr()[0]
         for scheduler in state.schedulers:
             scheduler.step()
