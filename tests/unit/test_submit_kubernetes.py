@@ -294,3 +294,12 @@ def test_submit_is_bounded_by_a_timeout(tmp_path, monkeypatch):
     monkeypatch.setattr(k8s, "KUBECTL_TIMEOUT_S", 0.5)
     with pytest.raises(LaunchError, match=r"kubectl apply gave no answer within 0.5 s"):
         k8s.submit(make_job(), "trainjob", "kind: TrainJob\n")
+
+
+def test_the_docs_page_shows_what_render_writes():
+    """docs/cluster-kubernetes.md's example output is render's, byte for byte (a doc that drifts fails here)."""
+    page = (Path(__file__).resolve().parents[2] / "docs" / "cluster-kubernetes.md").read_text(encoding="utf-8")
+    [shown_yaml] = re.findall(r"^```yaml\n(.*?)^```$", page, flags=re.DOTALL | re.MULTILINE)
+    job = SubmitJob(config=Path("/workspace/configs/tiny.toml"), name="tiny", run_root=Path("/runs"), nodes=2,
+                    nproc_per_node=2, max_restarts=1, image="registry.example.com/meshrun:0.1", volume="meshrun-runs")
+    assert shown_yaml == k8s.render(job, "trainjob")
