@@ -14,7 +14,7 @@ from meshrun.errors import ConfigError
 
 RDZV_PORT = 29500  # the c10d rendezvous port on the first node (torchrun's default)
 _TIME = re.compile(r"^(\d+-)?\d{1,2}(:\d{2}){0,2}$")  # SLURM's time formats: MM, MM:SS, HH:MM:SS, D-HH[:MM[:SS]]
-_NAME = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")  # a DNS-1123 label: what Kubernetes takes as a name
+DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")  # a DNS-1123 label: what Kubernetes takes as a name
 
 
 @dataclass(frozen=True)
@@ -47,11 +47,15 @@ class SubmitJob:
         if self.gpus_per_node and self.nproc_per_node > self.gpus_per_node:
             raise ConfigError(f"--nproc-per-node {self.nproc_per_node}: more processes than --gpus-per-node "
                               f"{self.gpus_per_node}; give one process per GPU")
+        if self.gpus_per_node > self.nproc_per_node:  # a worker drives one device: the rest would sit idle
+            raise ConfigError(f"--gpus-per-node {self.gpus_per_node}: more GPUs than --nproc-per-node "
+                              f"{self.nproc_per_node} can use (one process per GPU); give --nproc-per-node "
+                              f"{self.gpus_per_node}, or --gpus-per-node {self.nproc_per_node}")
         if self.max_restarts < 0:
             raise ConfigError(f"--max-restarts {self.max_restarts}: must be 0 or more")
         if self.time_limit is not None and not _TIME.match(self.time_limit):
             raise ConfigError(f"--time {self.time_limit!r}: not a time limit; use HH:MM:SS, MM or D-HH:MM:SS")
-        if not _NAME.match(self.name) or len(self.name) > 63:
+        if not DNS_LABEL.match(self.name) or len(self.name) > 63:
             raise ConfigError(f"train.name {self.name!r}: a cluster job's name must be lowercase letters, digits "
                               f"and '-', at most 63, starting and ending with a letter or digit")
 
