@@ -164,6 +164,14 @@ def summary_rows(run: RunData, stats: list[RankStats], straggler: Straggler | No
         rows.append(("ranks", f"{len(stats)} with step times"))
     if straggler:
         rows.append(("slowest rank", straggler.note))
+    for row in run.stragglers:  # named live by the trainer (metrics/stragglers.py): when it began and ended
+        if row.get("event") == "straggler":
+            share = row.get("data_share")
+            share = f", data wait {share:.0%} of it" if isinstance(share, (int, float)) else ""
+            rows.append(("straggler", f"rank {row.get('rank')} from step {row.get('step')}: "
+                                      f"{row.get('ratio')}x the others' median own work{share}"))
+        else:
+            rows.append(("straggler", f"rank {row.get('rank')} no longer from step {row.get('step')}"))
     times = [r["time"] for r in run.train + run.eval if isinstance(r.get("time"), (int, float))]
     if len(times) > 1:
         rows.append(("wall time", f"{max(times) - min(times):.1f} s between the first and last record"))

@@ -24,6 +24,9 @@ class ReportError(MeshrunError):
     """The run directory or its metrics cannot be read."""
 
 
+STRAGGLER_EVENTS = ("straggler", "straggler_cleared")  # rows of their own, not run facts
+
+
 @dataclass
 class RunData:
     """What a run directory holds: rank 0's records and each rank's step times."""
@@ -40,6 +43,8 @@ class RunData:
     """Each restart after a failure (events.jsonl), in order."""
     goodput: float | None = None
     """The goodput those recoveries left, estimated from this run's records (recoveries.py)."""
+    stragglers: list[dict[str, Any]] = field(default_factory=list)
+    """The trainer's live straggler rows (metrics/stragglers.py): named and cleared, in order."""
 
     @property
     def resumed_at(self) -> list[int]:
@@ -109,10 +114,12 @@ def load_run(run_dir: str | Path) -> RunData:
     if bad:
         logger.info("skipped %d malformed lines in %s", bad, run_dir)
     meta: dict[str, Any] = {}
+    live = [r for r in kinds["meta"] if r.get("event") in STRAGGLER_EVENTS]
     for record in kinds["meta"]:
-        meta.update(record)
+        if record.get("event") not in STRAGGLER_EVENTS:
+            meta.update(record)
     recoveries = find_recoveries(events.read(run_dir), kinds["train"])
     return RunData(name=run_dir.resolve().name, train=_by_step(kinds["train"]),
                    eval=_by_step(kinds["eval"]), meta=meta, ranks=dict(sorted(ranks.items())),
                    skipped_lines=bad, starts=[r for r in kinds["meta"] if "start_step" in r],
-                   recoveries=recoveries, goodput=goodput_estimate(recoveries, kinds["train"]))
+                   recoveries=recoveries, goodput=goodput_estimate(recoveries, kinds["train"]), stragglers=live)

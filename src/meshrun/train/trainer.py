@@ -28,6 +28,7 @@ from meshrun.data.tokenizer import load_tokenizer
 from meshrun.debug.heartbeat import SETUP_PHASE
 from meshrun.metrics.logger import MetricsLogger
 from meshrun.metrics.progress import ProgressBar
+from meshrun.metrics.stragglers import StragglerWatch, TimedBatches
 from meshrun.metrics.system import (
     StepTimer,
     device_peak_flops,
@@ -157,6 +158,7 @@ def _loop(run: _Run, cfg: JobConfig, env: DistEnv, run_dir: Path, profiler: Step
     if state.step == 0:  # a resumed run has its step-0 eval already
         _evaluate(run, cfg, 0, metrics, progress)
     compiled_steps, compiled_kinds = 0, set()
+    stragglers = StragglerWatch(env.world_size, env.device, enabled=layout.pipeline is None)
     for step in run.steps.steps(state, tcfg.steps, metrics):  # exact: range(state.step + 1, steps + 1)
         profiler.at(step)  # --profile: ends the previous step's span, starts this one's
         timer.start()
@@ -164,9 +166,10 @@ def _loop(run: _Run, cfg: JobConfig, env: DistEnv, run_dir: Path, profiler: Step
         # inductor compiles in a compiled layout's first calls, and again for the first step that logs
         # (it then also computes the grad norm): those are announced, so the hang watchdog waits them out
         compiling = layout.compiled and (compiled_steps < COMPILE_STEPS or log_now not in compiled_kinds)
+        batches = TimedBatches(state.train_loader)
         with phase("compile") if compiling else nullcontext():
             loss, grad_norm, compute_s = layout_step(
-                layout, state.optimizers, state.train_loader, grad_accum=tcfg.grad_accum, dtype=tcfg.dtype,
+                layout, state.optimizers, batches, grad_accum=tcfg.grad_accum, dtype=tcfg.dtype,
                 grad_clip=tcfg.grad_clip, need_grad_norm=log_now, scaler=state.scaler)
         compiled_steps += 1
         compiled_kinds.add(log_now)
@@ -180,7 +183,9 @@ def _loop(run: _Run, cfg: JobConfig, env: DistEnv, run_dir: Path, profiler: Step
             if clock.active:
                 metrics.log_meta(**clock.record(timing.step_time_s))
         metrics.log_rank_step(step, step_time_s=timing.step_time_s, compute_time_s=compute_s,
+                              data_time_s=batches.waited_s,
                               peak_mem_bytes=peak_memory_bytes(env.device) if step % cfg.metrics.interval == 0 else None)
+        _name_stragglers(stragglers, step, batches.waited_s, compute_s, metrics, progress)
         _log_step(run, cfg, env, step, loss, grad_norm, lr, timing, metrics, progress)
         if tcfg.eval_interval and step % tcfg.eval_interval == 0 and step != tcfg.steps:
             _evaluate(run, cfg, step, metrics, progress)
@@ -275,6 +280,19 @@ def _log_step(run: _Run, cfg: JobConfig, env: DistEnv, step: int, loss, grad_nor
                           peak_mem_kind=peak_memory_kind(env.device), mfu=flops,
                           skipped_steps=run.state.scaler.skipped_steps if run.state.scaler else None)
     progress.update(step, loss=value, tokens_per_s=timing.tokens_per_s)
+
+
+def _name_stragglers(watch: StragglerWatch, step: int, data_s: float, forward_s: float, metrics: MetricsLogger,
+                     progress: ProgressBar) -> None:
+    """Every WINDOW steps (a collective on every rank): name a rank that has become a straggler, or is no longer one."""
+    new, gone = watch.add(data_s, forward_s)
+    for found in new:
+        progress.write(f"step {step}: straggler: {found.line()}")
+        metrics.log_meta(event="straggler", step=step, rank=found.rank, ratio=round(found.ratio, 3),
+                         own_s=found.own_s, others_s=found.others_s, data_share=round(found.data_share, 3))
+    for rank in gone:
+        progress.write(f"step {step}: rank {rank} is no longer a straggler")
+        metrics.log_meta(event="straggler_cleared", step=step, rank=rank)
 
 
 def _evaluate(run: _Run, cfg: JobConfig, step: int, metrics: MetricsLogger, progress: ProgressBar) -> None:
