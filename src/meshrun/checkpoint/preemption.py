@@ -4,17 +4,11 @@ The Checkpointer installs the handlers when it opens and puts the previous ones 
 closes (`close()`, the end of its `with` block, a preemption, or `meshrun.shutdown()`), so no
 handler outlives the training it serves. The step then saves a checkpoint and raises Preempted;
 the worker exits 0 and `meshrun train` tells the user that re-running the command continues.
-
-SIGUSR1/SIGUSR2 are preemption signals too, in a worker whose agent handles them (torch's
-`--signals-to-handle`, which the agent records in TORCHELASTIC_SIGNALS_TO_HANDLE and passes on to
-its workers as the signal that stops them): `meshrun submit`'s sbatch script asks for SIGUSR1
-before SLURM's time limit that way (docs/cluster.md). Elsewhere they keep their default action.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import signal
 import sys
 import time
@@ -27,14 +21,6 @@ from meshrun.checkpoint import manifest as mf
 
 PREEMPTED_FILE = "preempted.json"
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
-USER_SIGNALS = (signal.SIGUSR1, signal.SIGUSR2)  # preemption only where the agent handles them
-AGENT_SIGNALS_ENV = "TORCHELASTIC_SIGNALS_TO_HANDLE"  # torch's, set by its agent for its workers
-
-
-def preemption_signals(environ: dict[str, str] | None = None) -> tuple[signal.Signals, ...]:
-    """SIGTERM and SIGINT, and each of SIGUSR1/SIGUSR2 that this worker's agent handles (see the module doc)."""
-    handled = {name.strip() for name in (os.environ if environ is None else environ).get(AGENT_SIGNALS_ENV, "").split(",")}
-    return SIGNALS + tuple(s for s in USER_SIGNALS if s.name in handled)
 
 
 class Preempted(Exception):  # noqa: N818 - a control-flow signal, not an error
@@ -46,11 +32,11 @@ class Preempted(Exception):  # noqa: N818 - a control-flow signal, not an error
 
 
 class PreemptionSignals:
-    """Handlers of the preemption signals (`preemption_signals`) that only note the signal, installed until `restore()`."""
+    """SIGTERM/SIGINT handlers that only note the signal, installed until `restore()`."""
 
     def __init__(self) -> None:
         self.signum, self._at = 0, 0.0
-        self._previous = {s: signal.signal(s, self._on_signal) for s in preemption_signals()}
+        self._previous = {s: signal.signal(s, self._on_signal) for s in SIGNALS}
 
     def _on_signal(self, signum, frame) -> None:  # noqa: ANN001 - signal handler signature
         if self.signum and time.monotonic() - self._at > 1.0:  # asked again, later: stop now

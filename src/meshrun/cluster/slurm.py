@@ -4,13 +4,15 @@
 
 The script runs one `srun` task per node (`--ntasks-per-node=1`), each `meshrun train` with a
 c10d rendezvous on the job's first node. Before the time limit SLURM sends SIGUSR1 to the batch
-shell alone (`--signal=B:USR1@N`; without `B:` it would go to every process of every step, and
-no one would know to requeue). The shell notes it and passes it to srun, which passes it to every
-process of the step: the agents (`--signals-to-handle ...,SIGUSR1`) stop their workers with it,
-and the workers take it as a preemption (checkpoint/preemption.py): a checkpoint is committed and
-`meshrun train` exits 0. When srun has returned, the shell requeues the job once
-(`scontrol requeue`) unless the run finished; the requeued job runs the same script under the same
-job id and resumes from the newest checkpoint. docs/cluster.md shows the whole flow.
+shell alone (`--signal=B:USR1@N`). Without `B:` SLURM would signal every process of every step:
+no one would know to requeue, and SIGUSR1's default action ends the helpers (multiprocessing's
+resource tracker, ...) that are not meshrun's to change. The shell's trap notes the signal and
+sends SIGTERM to the job's steps (`scancel --signal=TERM`, the batch shell excluded): every
+process of meshrun train already takes SIGTERM as "commit a checkpoint at the next step, then
+exit 0" (checkpoint/preemption.py), the same path as a SLURM preemption. When srun has returned,
+the shell requeues the job once (`scontrol requeue`) unless the run finished; the requeued job runs
+the same script under the same job id and resumes from the newest checkpoint. docs/cluster.md
+shows the whole flow.
 """
 
 from __future__ import annotations
@@ -31,7 +33,6 @@ SCRIPT_DIR = "slurm"  # RUN/slurm/: the script and the job ids (the run's own fi
 SCRIPT_NAME = "job.sbatch"
 JOB_ID_FILE = "job_id"  # the last submitted job's id, for `meshrun submit --status/--cancel RUN`
 SIGNAL_LEAD_S = 90  # default seconds before the time limit that SIGUSR1 comes
-AGENT_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"  # torch's default four, and SIGUSR1
 COMMAND_TIMEOUT_S = 60  # any one sbatch/squeue/scancel call
 _JOB_ID = re.compile(r"^\d+(_\d+)?$")
 
@@ -64,8 +65,7 @@ def render(job: SubmitJob, *, python: str, signal_lead_s: int = SIGNAL_LEAD_S) -
             sbatch.append(f"{flag}={value}")
     sbatch += list(job.extra)
     train = [python, "-m", "meshrun", "train", *job.train_args(), "--rdzv-backend", "c10d",
-             "--rdzv-endpoint", "$MESHRUN_RDZV_HOST:$MESHRUN_RDZV_PORT", "--rdzv-id", "$SLURM_JOB_ID",
-             "--signals-to-handle", AGENT_SIGNALS]
+             "--rdzv-endpoint", "$MESHRUN_RDZV_HOST:$MESHRUN_RDZV_PORT", "--rdzv-id", "$SLURM_JOB_ID"]
     exports = "".join(f"export {k}={shlex.quote(v)}\n" for k, v in sorted(job.env.items()))
     return f"""#!/bin/bash
 {MARKER} (meshrun/cluster/slurm.py; docs/cluster.md): edit freely, then sbatch it yourself
@@ -79,11 +79,11 @@ export MESHRUN_RDZV_PORT=${{MESHRUN_RDZV_PORT:-$(( {SLURM_PORT_BASE} + SLURM_JOB
 echo "meshrun submit: job $SLURM_JOB_ID (restart ${{SLURM_RESTART_COUNT:-0}}) on $SLURM_JOB_NODELIST, \\
 rendezvous $MESHRUN_RDZV_HOST:$MESHRUN_RDZV_PORT, $(date -u +%FT%TZ)"
 
-# SIGUSR1 before the time limit (--signal=B:USR1): note it and pass it to every process of the
-# step; the workers commit a checkpoint and `meshrun train` exits 0.
-requeue=0 srun_pid=
+# SIGUSR1 before the time limit (--signal=B:USR1@N, to this shell only): note it, and send SIGTERM
+# to the job's steps (not this shell): meshrun train commits a checkpoint and exits 0.
+requeue=0
 trap 'requeue=1; echo "meshrun submit: SIGUSR1 at $(date -u +%FT%TZ): checkpoint, then requeue"; \\
-[ -n "$srun_pid" ] && kill -USR1 "$srun_pid" 2>/dev/null' USR1
+scancel --signal=TERM "$SLURM_JOB_ID"' USR1
 srun --ntasks-per-node=1 --kill-on-bad-exit=1 \\
   {_shell_join(train)} &
 srun_pid=$!
