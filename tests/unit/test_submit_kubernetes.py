@@ -297,9 +297,34 @@ def test_submit_is_bounded_by_a_timeout(tmp_path, monkeypatch):
 
 
 def test_the_docs_page_shows_what_render_writes():
-    """docs/cluster-kubernetes.md's example output is render's, byte for byte (a doc that drifts fails here)."""
-    page = (Path(__file__).resolve().parents[2] / "docs" / "cluster-kubernetes.md").read_text(encoding="utf-8")
+    """docs/cluster.md's example output is render's, byte for byte (a doc that drifts fails here)."""
+    page = (Path(__file__).resolve().parents[2] / "docs" / "cluster.md").read_text(encoding="utf-8")
     [shown_yaml] = re.findall(r"^```yaml\n(.*?)^```$", page, flags=re.DOTALL | re.MULTILINE)
     job = SubmitJob(config=Path("/workspace/configs/tiny.toml"), name="tiny", run_root=Path("/runs"), nodes=2,
                     nproc_per_node=2, max_restarts=1, image="registry.example.com/meshrun:0.1", volume="meshrun-runs")
     assert shown_yaml == k8s.render(job, "trainjob")
+
+
+@pytest.mark.timeout(60)
+def test_the_command_line_prints_the_manifests_with_the_paths_as_given(capsys):
+    """`meshrun submit --scheduler kubernetes --dry-run`: the config path stays as written (the pod
+    reads it inside its image, not on this machine) and a relative run_dir is one line, exit 2."""
+    from conftest import REPO
+
+    from meshrun.cli import main
+
+    config = "examples/configs/tiny.toml"
+    cwd = os.getcwd()
+    os.chdir(REPO)
+    try:
+        base = ["submit", config, "--scheduler", "kubernetes", "--image", "reg/meshrun:0.1", "--volume", "runs-pvc",
+                "--nodes", "2", "--nproc-per-node", "2", "--set", "train.name=tiny"]
+        assert main([*base, "--set", "train.run_dir=/runs", "--dry-run"]) == 0
+        manifest = yaml.safe_load(capsys.readouterr().out)
+        command = manifest["spec"]["trainer"]["command"]
+        assert command[:3] == ["meshrun", "train", config] and "train.run_dir=/runs" in command
+        assert main([*base, "--dry-run"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "train.run_dir 'runs'" in err[0] and "absolute path" in err[0], err
+    finally:
+        os.chdir(cwd)

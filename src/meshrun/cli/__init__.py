@@ -20,6 +20,7 @@ COMMANDS = {
     "diagnose": ("meshrun.cli.diagnose", "post-mortem of a failed run: timeline, first failure, cause and fix"),
     "ckpt": ("meshrun.cli.ckpt", "list, inspect and export checkpoints (safetensors or torch)"),
     "generate": ("meshrun.cli.generate", "sample text from a run, a checkpoint or a Hugging Face directory"),
+    "submit": ("meshrun.cli.submit", "write and submit a cluster job (SLURM sbatch script): --dry-run, --status, --cancel"),
 }
 
 USAGE = f"""\

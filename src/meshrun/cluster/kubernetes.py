@@ -3,7 +3,7 @@
     meshrun submit my.toml --scheduler kubernetes --image REGISTRY/meshrun:TAG --volume runs --dry-run
 
 Every node (pod) runs `meshrun train` once; its elastic agent starts `nproc_per_node` workers and
-meets the other nodes through c10d rendezvous on the first pod (docs/cluster-kubernetes.md):
+meets the other nodes through c10d rendezvous on the first pod (docs/cluster.md):
 
 * TrainJob (trainer.kubeflow.org/v1alpha1, the `torch-distributed` ClusterTrainingRuntime): Trainer's
   torch plugin injects PET_NNODES, PET_NPROC_PER_NODE, PET_NODE_RANK, PET_MASTER_ADDR
@@ -51,7 +51,7 @@ def render(job: SubmitJob, kind: str = "trainjob") -> str:
     check(job, kind)
     yaml = import_extra("yaml", "meshrun submit --scheduler kubernetes")
     docs = [trainjob(job)] if kind == "trainjob" else [jobset(job)]
-    head = f"# meshrun submit --scheduler kubernetes --k8s-kind {kind}: job {job.name} (docs/cluster-kubernetes.md)\n"
+    head = f"# meshrun submit --scheduler kubernetes --k8s-kind {kind}: job {job.name} (docs/cluster.md)\n"
     return head + yaml.safe_dump_all(docs, sort_keys=False, default_flow_style=False)
 
 

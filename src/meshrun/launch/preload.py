@@ -169,6 +169,12 @@ def _serve(listener_fd: int, alive_r: int) -> None:
             if sig not in (signal.SIGINT, signal.SIGKILL, signal.SIGSTOP) and callable(signal.getsignal(sig)):
                 signal.signal(sig, signal.SIG_DFL)
         signal.signal(signal.SIGINT, signal.default_int_handler)  # what the workers get back (forkserver.main)
+        # A SIGTERM sent to every process of the job (SLURM's scancel and preemption, proctrack
+        # signals the whole step; `kill -TERM -PGID`) must not end the server first: its workers'
+        # results come back through it, and the agent would take them for dead before they commit
+        # their preemption checkpoint. It is ignored here and put back in each worker
+        # (preloaded_main); the server ends when its clients have gone, or by SIGKILL (stop_server).
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         os.environ[SERVER_VAR] = "launcher"  # each worker records where it was forked from
         from multiprocessing import forkserver
 
@@ -220,6 +226,7 @@ def preloaded_main(*argv: str) -> None:
     # What the forkserver imported is never garbage: the collector skips it from here on, so a
     # collection neither walks the whole inherited heap nor copies its pages (copy-on-write).
     gc.freeze()
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the server ignores it (_serve); a worker does not
     os.setsid()  # a session of its own, as torch gives an exec'd worker: what it starts is found there (leftovers.py)
     _name_process()
     threads = parent_threads()
