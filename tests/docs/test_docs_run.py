@@ -65,7 +65,7 @@ def test_exempt_list_is_short():
     exempt = {(b.lang, normalized(b)): b for b in exempt_blocks()}.values()  # the READMEs' count once
     # 12: docs/generate.md's overview needs a trained run and an HF export of it (the commands run
     # in docs/checkpoint.md's "Export to Hugging Face" and tests/e2e/test_generate.py instead).
-    # 13: docs/cluster.md's SLURM commands need a SLURM cluster (tests/e2e/test_slurm.py runs them
+    # 13: docs/cluster.md's SLURM commands need a SLURM cluster (tests/e2e/test_submit_slurm_jobs.py runs them
     # on a one-node SLURM it starts).
     assert len(exempt) <= 13, "\n".join(f"{b.where}: {b.reason}" for b in exempt)
 

@@ -40,6 +40,7 @@ MISTYPED = [
     (["report", "runs/x", "--fromat", "svg"], "meshrun report", "--fromat", "--format"),
     (["diagnose", "runs/x", "--jsn"], "meshrun diagnose", "--jsn", "--json"),
     (["doctor", "--skip-smoek"], "meshrun doctor", "--skip-smoek", "--skip-smoke"),
+    (["submit", "c.toml", "--dry-rn"], "meshrun submit", "--dry-rn", "--dry-run"),
 ]
 
 

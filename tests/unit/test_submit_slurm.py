@@ -1,5 +1,5 @@
 """`meshrun submit --scheduler slurm`: the sbatch script's text (--dry-run, checked by bash -n), and bad
-input as one line, exit 2, nothing written or submitted (tests/e2e/test_slurm.py runs real jobs)."""
+input as one line, exit 2, nothing written or submitted (tests/e2e/test_submit_slurm_jobs.py runs real jobs)."""
 
 from __future__ import annotations
 
