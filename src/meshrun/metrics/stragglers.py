@@ -4,8 +4,9 @@ Synchronous steps take equally long on every rank (the fast ones wait for the sl
 gradient all-reduce), so a straggler shows only in each rank's own work: the time it waited for its
 batch plus its forward pass (train/step.py measures the forward free of waiting on peers under DDP).
 Every WINDOW steps the ranks share the median of their own work over those steps (one all_gather
-of three numbers), and every rank sees the same verdict: a rank whose median is at least RATIO x
-the median of the others', and MIN_GAP_S more, is a straggler. Rank 0 says so once, when it is
+of two numbers), and every rank sees the same verdict: a rank whose median is at least RATIO x
+the median of the others', and MIN_GAP_S more, in CONFIRM windows in a row, is a straggler (one
+window alone flickers on a loaded machine: 1.3x for 50 steps, then balanced again). Rank 0 says so once, when it is
 first named (the progress line and a `straggler` row in metrics.jsonl), and once more when it is
 no longer (`straggler_cleared`). Medians, not means: one slow step (a GC pause, a page fault)
 names nobody; "consistently slower" is what counts.
@@ -23,6 +24,7 @@ import torch.distributed as dist
 WINDOW = 50  # steps per verdict
 RATIO = 1.2  # a rank's own work over the others' median that names it
 MIN_GAP_S = 0.002  # and by at least this much: 1.2 x a 0.3 ms forward is noise nobody waits for
+CONFIRM = 2  # windows in a row: a rank is named within CONFIRM x WINDOW steps of becoming slow
 
 
 @dataclass(frozen=True)
@@ -77,6 +79,7 @@ class StragglerWatch:
         self.data: list[float] = []
         self.forward: list[float] = []
         self.named: dict[int, Straggler] = {}
+        self.streak: dict[int, int] = {}  # rank -> windows in a row it was slow
 
     def add(self, data_s: float, forward_s: float) -> tuple[list[Straggler], list[int]]:
         """(newly named stragglers, ranks no longer stragglers): empty but every WINDOW steps."""
@@ -93,7 +96,9 @@ class StragglerWatch:
         every = [torch.empty_like(mine) for _ in range(self.world_size)]
         dist.all_gather(every, mine)
         rows = [t.tolist() for t in every]
-        found = {s.rank: s for s in judge([r[0] for r in rows], [r[1] for r in rows])}
+        slow = {s.rank: s for s in judge([r[0] for r in rows], [r[1] for r in rows])}
+        self.streak = {rank: self.streak.get(rank, 0) + 1 for rank in slow}
+        found = {rank: s for rank, s in slow.items() if self.streak[rank] >= CONFIRM or rank in self.named}
         new = [s for rank, s in found.items() if rank not in self.named]
         gone = [rank for rank in self.named if rank not in found]
         self.named = found
