@@ -162,16 +162,21 @@ def test_a_group_back_after_the_others_finished_stops_instead_of_training_alone(
                                 stderr=subprocess.STDOUT, start_new_session=True)
     deadline = time.monotonic() + DEADLINE_S
     agent = None
+    group0_done = lambda: any(e["event"] == "done" and e["group"] == 0 for e in ledger.read_events(records))  # noqa: E731
     try:
-        _wait("2 steps of group 1", lambda: len(_rows(records, 1)) >= 2, proc, deadline, log)
-        [first] = _starts(records, 1)
-        agent = _parent(first["pid"])
-        os.kill(agent, signal.SIGSTOP)
-        os.kill(first["pid"], signal.SIGKILL)
-        _wait("group 0's end", lambda: any(e["event"] == "done" and e["group"] == 0 for e in ledger.read_events(records)),
+        # On a loaded machine group 1 may start only after group 0 has finished alone: the same case
+        # (back after the others finished), met at its first start; else kill it and hold its agent.
+        _wait("2 steps of group 1 or group 0's end", lambda: len(_rows(records, 1)) >= 2 or group0_done(),
               proc, deadline, log)
-        os.kill(agent, signal.SIGCONT)
-        agent = None
+        killed = not group0_done()
+        if killed:
+            [first] = _starts(records, 1)
+            agent = _parent(first["pid"])
+            os.kill(agent, signal.SIGSTOP)
+            os.kill(first["pid"], signal.SIGKILL)
+            _wait("group 0's end", group0_done, proc, deadline, log)
+            os.kill(agent, signal.SIGCONT)
+            agent = None
         code = proc.wait(timeout=max(deadline - time.monotonic(), 1))
     finally:
         if agent is not None:
@@ -180,10 +185,10 @@ def test_a_group_back_after_the_others_finished_stops_instead_of_training_alone(
     text = log.read_text()
     assert code == 0, text[-4000:] + _group_logs(tmp_path)
     starts1 = _starts(records, 1)
-    assert len(starts1) == 2, starts1  # the agent did restart the killed worker
+    assert len(starts1) == (2 if killed else 1), starts1  # the agent did restart the killed worker
     ended = [e for e in ledger.read_events(records) if e["event"] == "ended"]
-    assert [(e["group"], e["pid"], e["finished_by"]) for e in ended] == [(1, starts1[1]["pid"], [0])], ended
-    assert not [r for r in _rows(records, 1) if r["pid"] == starts1[1]["pid"]], "the replacement trained alone"
+    assert [(e["group"], e["pid"], e["finished_by"]) for e in ended] == [(1, starts1[-1]["pid"], [0])], ended
+    assert not [r for r in _rows(records, 1) if r["pid"] == starts1[-1]["pid"]], "group 1 trained the run again alone"
     summary = json.loads((records / "summary.json").read_text())
     assert not summary["weights_differ"] and summary["final_weights_group"] == 0, summary["lines"]
     assert "group(s) [0] had finished the run" in summary["lines"][1], summary["lines"]
