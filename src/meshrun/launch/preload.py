@@ -175,6 +175,9 @@ def _serve(listener_fd: int, alive_r: int) -> None:
         # their preemption checkpoint. It is ignored here and put back in each worker
         # (preloaded_main); the server ends when its clients have gone, or by SIGKILL (stop_server).
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        # ... and put back in each child at once, in fork itself: a SIGTERM the agent sends a worker
+        # still starting (Ctrl-C or a stop right at start-up) must not be lost before preloaded_main
+        os.register_at_fork(after_in_child=lambda: signal.signal(signal.SIGTERM, signal.SIG_DFL))
         os.environ[SERVER_VAR] = "launcher"  # each worker records where it was forked from
         from multiprocessing import forkserver
 
