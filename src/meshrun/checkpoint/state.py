@@ -90,11 +90,23 @@ def train_state(state: TrainState, *, layout: dict, config_toml: str) -> dict:
 def apply_train_state(state: TrainState, saved: dict) -> None:
     state.step = int(saved["step"])
     for scheduler in state.schedulers:
-        scheduler.load_state_dict(saved["schedulers"])
+        scheduler.load_state_dict(_fit_groups(saved["schedulers"], len(scheduler.optimizer.param_groups)))
     state.train_loader.load_state_dict(saved["data"])
     state.extra.update(saved.get("extra", {}))
     if state.scaler is not None and saved.get("scaler"):
         state.scaler.load_state_dict(saved["scaler"])
+
+
+def _fit_groups(sched: dict, groups: int) -> dict:
+    """A scheduler state saved with another number of parameter groups (another layout splits the
+    groups otherwise: train/optimizers.py keeps plain tensors and DTensors apart), for `groups`:
+    its per-group lists (base_lrs, _last_lr) hold one value for every group (one optim.lr), which
+    each group takes. Per-group values that differ are kept as they are (and torch refuses them)."""
+    fitted = dict(sched)
+    for key, value in sched.items():
+        if isinstance(value, list) and value and len(value) != groups and all(v == value[0] for v in value):
+            fitted[key] = [value[0]] * groups
+    return fitted
 
 
 def rng_state() -> dict:

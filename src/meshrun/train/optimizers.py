@@ -30,13 +30,20 @@ HEAD_NAMES = ("output", "lm_head")  # output layers Muon leaves to AdamW (built-
 
 
 def param_groups(params: Iterable[nn.Parameter], weight_decay: float) -> list[dict]:
-    """Two groups: params of 2+ dims with `weight_decay`, the rest (gains, biases) without."""
-    decay, no_decay = [], []
+    """Params of 2+ dims with `weight_decay`, the rest (gains, biases) without; each of the two
+    split further by the kind of tensor, so that no group mixes plain tensors with DTensors, or
+    DTensors of different meshes: torch's fused and foreach kernels take one kind per call ("got
+    mixed torch.Tensor and DTensor", measured on torch 2.13 under TP over the whole world, where
+    norms stay plain beside DTensor biases). Checkpoints keep each parameter's options by name
+    (flattened optimizer state), so the grouping may differ between layouts."""
+    groups: dict[tuple, dict] = {}
     for param in params:
-        if param.requires_grad:
-            (decay if param.dim() >= 2 else no_decay).append(param)
-    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return [g for g in groups if g["params"]]
+        if not param.requires_grad:
+            continue
+        decay = param.dim() >= 2
+        key = (not decay, isinstance(param, DTensor))
+        groups.setdefault(key, {"params": [], "weight_decay": weight_decay if decay else 0.0})["params"].append(param)
+    return [groups[key] for key in sorted(groups)]
 
 
 def muon_params(model: nn.Module) -> set[nn.Parameter]:
