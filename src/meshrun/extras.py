@@ -12,7 +12,7 @@ from meshrun.errors import MeshrunError
 
 HF_EXTRA = "meshrun[hf]"
 # The extra that provides each optional top-level package.
-EXTRA_OF = {"pyarrow": HF_EXTRA, "datasets": HF_EXTRA, "tokenizers": HF_EXTRA, "transformers": HF_EXTRA,
+EXTRA_OF = {"pyarrow": HF_EXTRA, "accelerate": HF_EXTRA, "datasets": HF_EXTRA, "tokenizers": HF_EXTRA, "transformers": HF_EXTRA,
             "safetensors": HF_EXTRA, "tensorboard": "meshrun[tensorboard]", "mlflow": "meshrun[mlflow]",
             "wandb": "meshrun[wandb]", "trackio": "meshrun[trackio]",
             "torchft": "meshrun[torchft]", "yaml": "meshrun[kubernetes]"}

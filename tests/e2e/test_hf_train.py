@@ -133,12 +133,40 @@ def _refused(tmp_path, *sets: str) -> str:
 
 def test_bad_model_hf_is_one_line_and_exit_2(tmp_path, hf_dirs):
     assert "is not a directory" in _refused(tmp_path, f"model.hf={tmp_path / 'missing'}")
-    gpt2 = tmp_path / "gpt2"
-    gpt2.mkdir()
-    (gpt2 / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
-    line = _refused(tmp_path, f"model.hf={gpt2}")
-    assert "'gpt2' is not supported" in line and "llama" in line, line
+    unknown = tmp_path / "unknown"  # a model_type this transformers does not know
+    unknown.mkdir()
+    config = json.loads((hf_dirs["llama"] / "config.json").read_text())
+    (unknown / "config.json").write_text(json.dumps({**config, "model_type": "no_such_arch"}))
+    (unknown / "model.safetensors").write_bytes((hf_dirs["llama"] / "model.safetensors").read_bytes())
+    line = _refused(tmp_path, f"model.hf={unknown}", "data.seq_len=16")
+    assert "no_such_arch" in line and "transformers" in line, line
     line = _refused(tmp_path, f"model.hf={hf_dirs['llama']}", "model.factory=mymodel:build")
     assert "model.factory" in line, line
     line = _refused(tmp_path, f"model.hf={hf_dirs['llama']}", "model.dim=64")
     assert "model.dim=64" in line, line
+
+
+def test_refusals_name_a_fix_and_the_fix_runs(tmp_path):
+    """GPT-2 (no base_model_tp_plan, a tied head), through the CLI: TP 2 and PP 2 are each refused
+    before launch in one line naming the fix; PP 2 with the fix (model.tie_embeddings=false) trains,
+    and its export says tie_word_embeddings false and loads with from_pretrained, logits equal."""
+    import hf_zoo
+    from transformers import AutoModelForCausalLM
+
+    gpt2 = hf_zoo.save_tiny(tmp_path / "gpt2", "gpt2")
+    line = _refused(tmp_path, f"model.hf={gpt2}", "data.seq_len=16", "parallel.strategy=fsdp", "parallel.dp_replicate=1",
+                    "parallel.tp=2", "launch.nproc_per_node=2")
+    assert "parallel.tp=2" in line and "base_model_tp_plan" in line and "parallel.dp_shard" in line, line
+    line = _refused(tmp_path, f"model.hf={gpt2}", "data.seq_len=16", "parallel.pp=2", "launch.nproc_per_node=2")
+    assert "parallel.pp=2" in line and "model.tie_embeddings=false" in line, line
+    run_dir, _ = _train(tmp_path, "untied", gpt2, 2, "parallel.pp=2", "model.tie_embeddings=false")
+    assert len(metrics_records(run_dir, "train")) == STEPS
+    out = tmp_path / "hf-out"
+    result = meshrun("ckpt", "export", str(run_dir), "--format", "hf", str(out), timeout=120, cwd=tmp_path, env=ENV)
+    assert result.returncode == 0, result.output
+    assert json.loads((out / "config.json").read_text())["tie_word_embeddings"] is False
+    exported = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    weights = torch.load(run_dir / "model.pt", weights_only=True)
+    assert not torch.equal(weights["output.weight"], weights["tok_embeddings.weight"]), "the head trained on its own"
+    assert torch.equal(exported.lm_head.weight, weights["output.weight"])
+    assert torch.equal(exported.transformer.wte.weight, weights["tok_embeddings.weight"])

@@ -51,7 +51,7 @@ class ModelSection(Section):
     rope_theta: float = doc_field(0.0, "RoPE base frequency; 0 = the named size's (10000 unless it says otherwise).")
     norm_eps: float = doc_field(0.0, "RMSNorm epsilon; 0 = the named size's (1e-5 unless it says otherwise).")
     init_from: str = doc_field("", "Weights file to start from; '' = random initialisation seeded by train.seed.")
-    hf: str = doc_field("", "'' = not used; a local Hugging Face model directory (config.json + *.safetensors; llama, mistral, qwen2, qwen3): its architecture and weights, model.name ignored.")
+    hf: str = doc_field("", "'' = not used; a local Hugging Face model directory (config.json + *.safetensors) of any decoder-only causal LM transformers ships: its architecture and weights, model.name ignored.")
 
     def validate(self) -> None:
         self.require("name", bool(self.name.strip()), "a size name such as 'tiny'")

@@ -64,7 +64,7 @@ def build_model(
     if hf:  # a Hugging Face directory: transformers builds it, meshrun's adapter lays it out
         from meshrun.models.hf import build_hf_model
 
-        return build_hf_model(hf, vocab_size, seed=seed)
+        return build_hf_model(hf, vocab_size, seed=seed, tie_embeddings=getattr(model_cfg, "tie_embeddings", None))
     if factory:
         fn = load_factory(factory)
         model = _call_factory(factory, fn, model_cfg, vocab_size)

@@ -34,7 +34,12 @@ def model_args_from_config(model_cfg: Any, vocab_size: int | None = None) -> Mod
     if getattr(model_cfg, "hf", ""):  # a Hugging Face directory: its config.json gives the shape
         from meshrun.models.hf_config import model_args_from_hf
 
-        return model_args_from_hf(model_cfg.hf, vocab_size)
+        args = model_args_from_hf(model_cfg.hf, vocab_size)
+        if getattr(model_cfg, "tie_embeddings", None) is False and args.tie_embeddings:
+            import dataclasses
+
+            args = dataclasses.replace(args, tie_embeddings=False)  # untied by the config (models/hf.py)
+        return args
     name = getattr(model_cfg, "name", None) or DEFAULT_SIZE
     spec = size_spec(name)
     for field in ARG_FIELDS:

@@ -1,22 +1,44 @@
-"""A Hugging Face causal LM (Llama family) seen through meshrun's model protocol.
+"""Any Hugging Face decoder-only causal LM, seen through meshrun's model protocol.
 
     model = build_hf_model("path/to/hf_dir", vocab_size=tokenizer.vocab_size)   # under torch.device("meta")
 
-`transformers` builds the model from the directory's config.json; this adapter keeps its modules
-unchanged and lays them out under the names meshrun's layouts address (`models.factory.
-ModelProtocol`): `tok_embeddings` (HF `model.embed_tokens`), `layers` (an `nn.ModuleDict` "0".."N-1"
-of the HF decoder layers), `norm` (`model.norm`), `output` (`lm_head`), `rotary_emb`
-(`model.rotary_emb`). Below a decoder layer every name is HF's (`self_attn.q_proj`, `mlp.gate_proj`),
-so `models.hf_keys` maps a state dict both ways. `forward(tokens)` does what HF's `LlamaModel.
-forward` does around the layers (positions, rotary cos/sin, causal mask), and skips whatever a
-pipeline stage set to None. The weights come from the directory's safetensors
-(`meshrun.models.hf_load`), straight into each rank's shards.
+`transformers` builds the model from the directory's config.json with its own modeling code
+(`AutoModelForCausalLM`, `trust_remote_code=False`); no list of families, no per-architecture
+code here. From the module tree (`HFParts.find`) the adapter takes the pieces meshrun's layouts
+address, under meshrun's names (`models.factory.ModelProtocol`):
+- `tok_embeddings`: the input embedding (`get_input_embeddings()`: `model.embed_tokens`, GPT-2's
+  `transformer.wte`, GPT-NeoX's `gpt_neox.embed_in`);
+- `layers`: an `nn.ModuleDict` "0".."N-1" of the decoder layers (the base model's one
+  `nn.ModuleList` of `num_hidden_layers` modules);
+- `norm`: the base model's one child with parameters after the layers (the final norm), if any;
+- `output`: the head (`get_output_embeddings()`), the embedding's own Parameter when tied;
+- `input_parts`: other base-model children with parameters, before the layers (GPT-2's
+  position embedding `wpe`): the first pipeline stage owns them, as it owns `tok_embeddings`;
+- `extras`: base-model children with buffers only (rotary tables), which every stage keeps.
+Below each of these every name is transformers' own, so `HFParts.prefixes` maps a state dict
+both ways (models/hf_keys.py).
+
+`forward(tokens)` runs transformers' own forward of the whole causal LM (positions, masks,
+rotary tables, embedding scales, logit soft-capping: whatever the architecture does), after
+pointing the transformers module tree at the adapter's current pieces (`_sync`): an activation-
+checkpointed layer is its wrapper, and in a pipeline stage a layer the stage does not own is a
+pass-through, a missing final norm an identity, a missing input part a stub. A stage without
+`tok_embeddings` takes hidden states (B, T, hidden): they go in as `inputs_embeds`, so the model
+prepares its masks and rotary tables as it would, and they replace whatever the model made of
+them at the stage's first layer (`_Enter`); a stage without `output` returns hidden states.
+
+Non-persistent buffers (rotary inverse frequencies, Gemma's embedding scale) are computed at
+build: the model is built with its parameters on the meta device and its buffers real
+(accelerate's `init_empty_weights(include_buffers=False)`), and `init_weights` puts these values
+back after `to_empty`. The weights come from the directory's safetensors (`meshrun.models.hf_load`),
+straight into each rank's shards.
 """
 
 from __future__ import annotations
 
-import sys
+import copy
 import zlib
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -25,23 +47,25 @@ from torch import nn
 from meshrun.errors import ModelError
 from meshrun.extras import missing_extra_message
 from meshrun.models.hf_config import TP_STYLES, layer_tp_plan, model_args_from_hf
+from meshrun.models.hf_load import local_like
 
-# transformers' TP style names (config.base_model_tp_plan) -> how meshrun applies each.
 
-
-def build_hf_model(path: str, vocab_size: int | None = None, *, seed: int | None = None) -> HFCausalLM:
+def build_hf_model(path: str, vocab_size: int | None = None, *, seed: int | None = None,
+                   tie_embeddings: bool | None = None) -> HFCausalLM:
     """The adapter over the HF model of directory `path`, built on the ambient device.
 
     On the meta device it holds shapes only (the layout materialises and loads this rank's
     share); on a real device the directory's weights are loaded into it (one process).
+    `tie_embeddings=False` unties a model whose config ties its head to its embedding: the head
+    becomes its own matrix, loaded as a copy of the embedding (model.tie_embeddings = false).
     """
     args = model_args_from_hf(path, vocab_size)  # checks the directory and the vocabulary
-    model = HFCausalLM(path, args)
+    model = HFCausalLM(path, args, untie=tie_embeddings is False and args.tie_embeddings)
     model.weights_pending = True  # materialise cheaply: the directory's weights come next
     if not any(p.is_meta for p in model.parameters()):
         from meshrun.models.hf_load import load_hf_weights
 
-        model.init_weights(seed)  # the rotary tables
+        model.init_weights(seed)  # the buffers
         load_hf_weights([model], path)
     return model
 
@@ -51,106 +75,254 @@ def _hf_config(path: str) -> Any:
         from transformers import AutoConfig
     except ImportError:
         raise ModelError(missing_extra_message("transformers", "model.hf")) from None
-    return AutoConfig.from_pretrained(path, local_files_only=True, trust_remote_code=False)
+    try:
+        return AutoConfig.from_pretrained(path, local_files_only=True, trust_remote_code=False)
+    except (ValueError, KeyError, OSError) as exc:  # an unknown model_type, remote code, a bad file
+        text = " ".join(str(exc).split())[:200]
+        raise ModelError(f"model.hf={path!r}: transformers cannot read its config.json ({type(exc).__name__}: "
+                         f"{text}); give a causal LM this transformers ships") from None
+
+
+def _has_state(module: nn.Module) -> tuple[bool, bool]:
+    """(has parameters, has buffers), anywhere below `module`."""
+    return (next(module.parameters(), None) is not None, next(module.buffers(), None) is not None)
+
+
+@dataclass(frozen=True)
+class HFParts:
+    """Where meshrun's pieces sit in a transformers causal LM (attribute names)."""
+
+    base: str
+    """the causal LM's base model (`base_model_prefix`: "model", "transformer", "gpt_neox")"""
+    embed: str
+    layers: str
+    norm: str | None
+    head: str
+    input_parts: tuple[str, ...]
+    extras: tuple[str, ...]
+
+    @classmethod
+    def find(cls, hf: nn.Module, where: str) -> HFParts:
+        """The pieces of `hf`, or one ModelError line saying which one is not where a decoder-only
+        causal LM has it."""
+        def refuse(what: str) -> ModelError:
+            return ModelError(f"{where} ({type(hf).__name__}): {what}; meshrun trains decoder-only causal LMs "
+                              "(an embedding, one list of decoder layers, a final norm, a head)")
+
+        prefix = getattr(hf, "base_model_prefix", "")
+        base = getattr(hf, prefix, None) if prefix else None
+        if not isinstance(base, nn.Module) or base is hf:
+            raise refuse("no base model under the head")
+        embed, head = hf.get_input_embeddings(), hf.get_output_embeddings()
+        base_children = list(base.named_children())
+        embed_name = next((n for n, m in base_children if m is embed), None)
+        head_name = next((n for n, m in hf.named_children() if m is head), None)
+        if embed_name is None or head_name is None:
+            raise refuse("its input embedding or output head is not a direct child of the model")
+        others = [n for n, m in hf.named_children() if n not in (prefix, head_name) and any(_has_state(m))]
+        if others:
+            raise refuse(f"it holds more than a decoder ({', '.join(others)})")
+        n_layers = int(hf.config.get_text_config().num_hidden_layers)
+        lists = [n for n, m in base_children if isinstance(m, nn.ModuleList) and len(m) == n_layers]
+        if len(lists) != 1:
+            raise refuse(f"{'no' if not lists else 'more than one'} list of num_hidden_layers={n_layers} decoder layers")
+        order = [n for n, _ in base_children]
+        at = order.index(lists[0])
+        norm, input_parts, extras = [], [], []
+        for index, (name, module) in enumerate(base_children):
+            if name in (embed_name, lists[0]):
+                continue
+            params, buffers = _has_state(module)
+            if params and index > at:
+                norm.append(name)
+            elif params:
+                input_parts.append(name)
+            elif buffers:
+                extras.append(name)
+        if len(norm) > 1:
+            raise refuse(f"more than one module with parameters after the decoder layers ({', '.join(norm)})")
+        return cls(prefix, embed_name, lists[0], norm[0] if norm else None, head_name,
+                   tuple(input_parts), tuple(extras))
+
+    @property
+    def prefixes(self) -> tuple[tuple[str, str], ...]:
+        """meshrun's top-level prefix -> transformers', for every piece (models/hf_keys.py)."""
+        pairs = [("tok_embeddings.", f"{self.base}.{self.embed}."), ("layers.", f"{self.base}.{self.layers}."),
+                 ("output.", f"{self.head}.")]
+        if self.norm:
+            pairs.append(("norm.", f"{self.base}.{self.norm}."))
+        pairs += [(f"input_parts.{n}.", f"{self.base}.{n}.") for n in self.input_parts]
+        pairs += [(f"extras.{n}.", f"{self.base}.{n}.") for n in self.extras]
+        return tuple(pairs)
+
+
+class _Skip(nn.Module):
+    """A decoder layer this pipeline stage does not own: its hidden states pass through."""
+
+    def forward(self, hidden_states: Any, *args: Any, **kwargs: Any) -> Any:
+        return hidden_states
+
+
+class _Stub(nn.Module):
+    """An input part (GPT-2's `wpe`) on a stage that does not own it. Its result is never used
+    (`_Enter` replaces the hidden states it went into), so a float input passes through and an
+    integer one (positions) gives 0."""
+
+    def forward(self, x: Any, *args: Any, **kwargs: Any) -> Any:
+        if isinstance(x, torch.Tensor) and x.is_floating_point():
+            return x
+        return torch.zeros((), device=x.device if isinstance(x, torch.Tensor) else None)
+
+
+class _Enter(nn.Module):
+    """The first decoder layer of a stage that gets hidden states: the stage's input replaces the
+    hidden states the model's own prologue made of it (position embeddings added, scaled...)."""
+
+    def __init__(self, layer: nn.Module, hidden: torch.Tensor):
+        super().__init__()
+        self.layer = layer
+        self.hidden = hidden
+
+    def forward(self, hidden_states: Any, *args: Any, **kwargs: Any) -> Any:
+        return self.layer(self.hidden, *args, **kwargs)
 
 
 class HFCausalLM(nn.Module):
-    """`model(tokens) -> logits` (B, T, vocab) over a transformers Llama-family causal LM.
+    """`model(tokens) -> logits` (B, T, vocab) over a transformers causal LM.
 
     `args` is the built-in `ModelArgs` with this model's shape (what the layout rules, the
-    planner and the FLOPs count read); `config` is the transformers config; `hf_dir` the source.
-    A pipeline stage deletes blocks from `layers` and sets `tok_embeddings` / `norm` / `output`
-    to None: without `tok_embeddings` the input is hidden states (B, T, hidden_size), without
-    `output` the result is.
+    planner and the FLOPs count read); `config` is the transformers config; `hf_dir` the source;
+    `parts` where each piece sits in the transformers model. A pipeline stage deletes blocks from
+    `layers` and sets `tok_embeddings` / `input_parts` / `norm` / `output` to None: without
+    `tok_embeddings` the input is hidden states (B, T, hidden_size), without `output` the result is.
     """
 
-    def __init__(self, path: str, args: Any):
+    compiles_whole = False  # transformers' top level is not checked to trace as one graph: per-layer graphs
+
+    def __init__(self, path: str, args: Any, *, untie: bool = False):
         super().__init__()
-        from transformers import AutoModelForCausalLM
+        try:
+            from accelerate import init_empty_weights
+            from transformers import AutoModelForCausalLM
+        except ImportError as exc:
+            raise ModelError(missing_extra_message(exc.name or "transformers", "model.hf")) from None
 
         config = _hf_config(path)
-        hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32)  # fp32 master weights
-        self.hf_dir, self.args, self.config = path, args, hf.config
-        base = hf.model
-        self.tok_embeddings: nn.Module | None = base.embed_tokens
-        self.layers = nn.ModuleDict({str(i): layer for i, layer in enumerate(base.layers)})
-        self.norm: nn.Module | None = base.norm
-        self.output: nn.Module | None = hf.lm_head  # the embedding's own Parameter when tied
-        self.rotary_emb = base.rotary_emb
+        if untie:
+            import dataclasses
+
+            config.tie_word_embeddings = False
+            args = dataclasses.replace(args, tie_embeddings=False)
+        where = f"model.hf={path!r}"
+        if getattr(config, "is_encoder_decoder", False):
+            raise ModelError(f"{where}: model_type {config.model_type!r} is an encoder-decoder; meshrun trains "
+                             "decoder-only causal LMs")
+        try:
+            if torch.get_default_device().type == "meta":
+                # Parameters on meta, buffers real: the values non-persistent buffers get from
+                # their constructors (rotary tables), which `to_empty` would otherwise lose.
+                with torch.device("cpu"), init_empty_weights(include_buffers=False):
+                    hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32, trust_remote_code=False)
+                hf.tie_weights()  # the patched register_parameter gave the tied head its own meta Parameter
+            else:
+                hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32, trust_remote_code=False)
+        except ValueError as exc:  # "Unrecognized configuration class ... for AutoModelForCausalLM"
+            text = " ".join(str(exc).split())[:200]
+            raise ModelError(f"{where}: transformers has no causal LM for model_type "
+                             f"{config.model_type!r} ({text})") from None
+        parts = HFParts.find(hf, where)
+        base = getattr(hf, parts.base)
+        self.hf_dir, self.args, self.config, self.parts = path, args, hf.config, parts
+        self.tok_embeddings: nn.Module | None = getattr(base, parts.embed)
+        self.layers = nn.ModuleDict({str(i): layer for i, layer in enumerate(getattr(base, parts.layers))})
+        self.norm: nn.Module | None = getattr(base, parts.norm) if parts.norm else None
+        self.output: nn.Module | None = getattr(hf, parts.head)
+        self.input_parts: nn.ModuleDict | None = (
+            nn.ModuleDict({n: getattr(base, n) for n in parts.input_parts}) if parts.input_parts else None)
+        self.extras = nn.ModuleDict({n: getattr(base, n) for n in parts.extras})
+        self.head_from_embedding = untie
+        """The config ties the head to the embedding and model.tie_embeddings=false untied it: the
+        directory's files hold no head, which starts as a copy of the embedding (models/hf_load.py)."""
         self.weights_pending = False
         """True until `load_hf_weights` filled the parameters: `init_weights` then only zeroes them
         (no full-size random tensors drawn, which would cost memory, for values about to be replaced)."""
-        kinds = getattr(self.config, "layer_types", None)
-        sliding = "sliding_attention" if getattr(self.config, "sliding_window", None) else "full_attention"
-        self._mask_kind = {str(i): kinds[i] if kinds else sliding for i in range(len(base.layers))}
+        self.__dict__["_hf"] = hf  # transformers' tree over the same modules, not registered twice
+        self.__dict__["_n_layers"] = len(self.layers)
+        self.__dict__["_buffer_values"] = {
+            name: buf.detach().clone() for name, buf in self.named_buffers() if not buf.is_meta}
+
+    @property
+    def tied(self) -> bool:
+        return (self.output is not None and self.tok_embeddings is not None
+                and self.output.weight is self.tok_embeddings.weight)
+
+    def _sync(self, hidden: torch.Tensor | None) -> None:
+        """Point transformers' module tree at the adapter's current pieces (see the module doc)."""
+        hf, parts = self.__dict__["_hf"], self.parts
+        base = getattr(hf, parts.base)
+        seq: list[nn.Module] = []
+        for index in range(self.__dict__["_n_layers"]):
+            layer = self.layers[str(index)] if str(index) in self.layers else None
+            if layer is None:
+                seq.append(_Skip())
+            elif hidden is not None and not any(isinstance(m, _Enter) for m in seq):
+                seq.append(_Enter(layer, hidden))
+            else:
+                seq.append(layer)
+        base._modules[parts.layers] = nn.ModuleList(seq)
+        base._modules[parts.embed] = self.tok_embeddings if self.tok_embeddings is not None else _Stub()
+        if parts.norm:
+            base._modules[parts.norm] = self.norm if self.norm is not None else nn.Identity()
+        for name in parts.input_parts:
+            owned = self.input_parts is not None and name in self.input_parts
+            base._modules[name] = self.input_parts[name] if owned else _Stub()
+        for name in parts.extras:
+            base._modules[name] = self.extras[name]
+        if self.output is not None:
+            hf._modules[parts.head] = self.output
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
-
-        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
-        seqlen = h.shape[1]
+        hf = self.__dict__["_hf"]
+        first = self.tok_embeddings is not None
+        seqlen = tokens.shape[1]
         if seqlen > self.args.max_seq_len:
             raise ModelError(f"sequence length {seqlen} exceeds the max_position_embeddings="
                              f"{self.args.max_seq_len} of model.hf={self.hf_dir!r}; lower data.seq_len")
-        position_ids = torch.arange(seqlen, device=h.device).unsqueeze(0)
-        mask_args = dict(config=self.config, inputs_embeds=h, attention_mask=None, cache=None,
-                         position_ids=position_ids)
-        masks = {}
-        for kind in set(self._mask_kind[key] for key in self.layers):
-            make = create_sliding_window_causal_mask if kind == "sliding_attention" else create_causal_mask
-            masks[kind] = make(**mask_args)
-        position_embeddings = self.rotary_emb(h, position_ids=position_ids)
-        for key, layer in self.layers.items():
-            h = layer(h, attention_mask=masks[self._mask_kind[key]], position_ids=position_ids,
-                      position_embeddings=position_embeddings)
-        if self.norm is not None:
-            h = self.norm(h)
-        return self.output(h) if self.output is not None else h
-
-    def reset_rotary(self) -> None:
-        """Recompute the rotary inverse frequencies (non-persistent: not in any checkpoint, and
-        garbage after `to_empty`), as the HF rotary module's constructor does."""
-        rot = self.rotary_emb
-        device = rot.inv_freq.device
-        if device.type == "meta":
-            return
-        if rot.rope_type == "default":
-            inv_freq, scaling = rot.compute_default_rope_parameters(self.config, device=device)
-        else:
-            from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
-            inv_freq, scaling = ROPE_INIT_FUNCTIONS[rot.rope_type](self.config, device)
-        rot.inv_freq = inv_freq.float()
-        rot.original_inv_freq = inv_freq.float().clone()
-        rot.attention_scaling = scaling
+        self._sync(None if first else tokens)
+        inputs = {"input_ids": tokens} if first else {"inputs_embeds": tokens}
+        if self.output is not None:
+            return hf(**inputs, use_cache=False).logits
+        return getattr(hf, self.parts.base)(**inputs, use_cache=False).last_hidden_state
 
     @torch.no_grad()
     def init_weights(self, seed: int | None = None) -> None:
-        """Deterministic init, the same in every layout: HF's scheme (normal(0, initializer_range)
-        for matrices, ones for norm weights, zeros for biases), each tensor drawn on the CPU from a
-        generator keyed by (seed, its name), so FSDP/TP shards get their slice of the same full
-        tensor. Also recomputes the rotary tables. While `weights_pending` (built by
+        """Deterministic init, the same in every layout: the buffers get the values computed at
+        build; each parameter gets transformers' own initialisation of its module
+        (`_init_weights`), drawn on the CPU from a generator keyed by (seed, its name), so FSDP/TP
+        shards get their slice of the same full tensor. While `weights_pending` (built by
         `build_hf_model`, not loaded yet) the parameters are only zeroed."""
         if seed is None:
             seed = int(torch.randint(0, 2**62, (1,), device="cpu").item())
-        self.reset_rotary()
+        values = self.__dict__["_buffer_values"]
+        for name, buf in self.named_buffers():
+            key = name.replace("_checkpoint_wrapped_module.", "")
+            if key in values and not buf.is_meta:
+                buf.copy_(local_like(values[key], buf))
         self._retie()
         if self.weights_pending:
             for param in self.parameters():
                 if param.device.type != "meta":
                     (param.to_local() if hasattr(param, "to_local") else param).zero_()
             return
-        std = float(getattr(self.config, "initializer_range", 0.02))
-        for name, param in self.named_parameters():
-            if param.device.type == "meta":
+        hf = self.__dict__["_hf"]
+        for mod_name, module in self.named_modules():
+            own = [(n, p) for n, p in module.named_parameters(recurse=False) if p.device.type != "meta"]
+            if not own:
                 continue
-            name = name.replace("_checkpoint_wrapped_module.", "")
-            if param.ndim == 1:
-                full = torch.ones(param.shape) if "norm" in name.rsplit(".", 2)[-2] else torch.zeros(param.shape)
-            else:
-                gen = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % 2**63)
-                full = torch.empty(param.shape).normal_(0.0, std, generator=gen)
-            param.copy_(_local_like(full, param))
+            name = f"{mod_name}.{own[0][0]}".replace("_checkpoint_wrapped_module.", "")
+            for pname, full in _hf_init(hf, module, (seed * 1_000_003 + zlib.crc32(name.encode())) % 2**63).items():
+                param = getattr(module, pname)
+                param.copy_(local_like(full, param))
 
     def _retie(self) -> None:
         """`to_empty` gives each module its own new Parameter, which unties a tied output
@@ -160,11 +332,16 @@ class HFCausalLM(nn.Module):
             self.output.weight = self.tok_embeddings.weight
 
     def tp_block_plan(self, sequence_parallel: bool) -> dict:
-        """The decoder layer's TP plan from the config's `base_model_tp_plan` (`layers.*.` cut off):
-        colwise -> ColwiseParallel, rowwise -> RowwiseParallel (one all-reduce per pair), and
-        replicated_with_grad_allreduce (Qwen3's per-head q_norm/k_norm) -> a replicated DTensor
-        weight whose input is sharded over the heads (dim -2), so its gradient is summed over the
-        tp ranks. HF attention reads the local head count from `view(..., -1, head_dim)`."""
+        """The decoder layer's TP plan from the config's `base_model_tp_plan` (`layers.*.` cut off),
+        each entry that names a module of the layer (a mixture-of-experts layer has no `mlp.up_proj`):
+        colwise -> ColwiseParallel, rowwise -> RowwiseParallel (one all-reduce per pair);
+        colwise_gather_output / rowwise_split_input (a fused qkv or gate_up, or q/k norms over all
+        heads, need the whole output) -> the same with the output gathered / the replicated input
+        split locally; replicated_with_grad_allreduce (per-head q_norm/k_norm) -> a replicated
+        DTensor weight whose input is sharded over the heads (dim -2), so its gradient is summed
+        over the tp ranks. transformers' attention reads the local head count from
+        `view(..., -1, head_dim)`."""
+        from torch.distributed.tensor import Replicate
         from torch.distributed.tensor.parallel import (
             ColwiseParallel,
             RowwiseParallel,
@@ -176,16 +353,51 @@ class HFCausalLM(nn.Module):
         plan = layer_tp_plan(self.config)
         check_hf_tp(self.hf_dir, sequence_parallel, plan, TP_STYLES)
         styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel,
+                  "colwise_gather_output": lambda: ColwiseParallel(output_layouts=Replicate()),
+                  "rowwise_split_input": lambda: RowwiseParallel(input_layouts=Replicate()),
                   "replicated_with_grad_allreduce": lambda: SequenceParallel(sequence_dim=-2, use_local_output=True)}
-        return {name: styles[style]() for name, style in plan.items()}
+        layer = _unwrapped(next(iter(self.layers.values())))
+        present = {name for name, _ in layer.named_modules()}
+        return {name: styles[style]() for name, style in plan.items() if name in present}
+
+    def check_layout(self, tp: int, pp: int) -> None:
+        """What this architecture's structure cannot do under the layout, as one ConfigError line
+        naming a layout that works (before launch, on the model built on meta). A tied head under
+        pp is the layout rules' (rules.check_tied_pipeline, from `args.tie_embeddings`)."""
+        if tp > 1:
+            from meshrun.parallel.rules import check_hf_tp
+
+            check_hf_tp(self.hf_dir, False, layer_tp_plan(self.config), TP_STYLES, tp, self.config.model_type)
 
 
-def _local_like(full: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
-    """`full` as `param`'s kind of tensor: a DTensor parameter gets its local slice, no communication."""
-    full = full.to(device=param.device, dtype=param.dtype)
-    if "torch.distributed.tensor" in sys.modules:
-        from torch.distributed.tensor import DTensor, distribute_tensor
+def _unwrapped(block: nn.Module) -> nn.Module:
+    return getattr(block, "_checkpoint_wrapped_module", block)
 
-        if isinstance(param, DTensor):
-            return distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
-    return full
+
+def _hf_init(hf: nn.Module, module: nn.Module, seed: int) -> dict[str, torch.Tensor]:
+    """transformers' initialisation (`hf._init_weights`) of `module`'s own parameters, as full
+    CPU tensors drawn with `seed`: on a parameter-free copy of the module given full-size CPU
+    parameters, so a sharded module (DTensor parameters) gets the values of the whole tensor."""
+    clone = copy.copy(module)
+    clone._parameters = {n: nn.Parameter(torch.empty(tuple(p.shape), dtype=p.dtype))
+                         for n, p in module.named_parameters(recurse=False)}
+    clone._buffers = {n: (torch.empty(tuple(b.shape), dtype=b.dtype) if b is not None else None)
+                      for n, b in module._buffers.items()}
+    clone._modules = {}
+    for p in clone._parameters.values():
+        p.zero_()
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        try:
+            hf._init_weights(clone)
+        except Exception:  # noqa: BLE001 - an init that needs the module's children: its parameters stay zero
+            pass
+    return {n: p.detach() for n, p in clone._parameters.items()}
+
+
+def hf_parts(path: str, tie_embeddings: bool | None = None) -> HFParts:
+    """The pieces of the HF model of directory `path`, from a build on the meta device."""
+    from meshrun.models.meta import on_meta
+
+    with on_meta():
+        return build_hf_model(path, tie_embeddings=tie_embeddings).parts

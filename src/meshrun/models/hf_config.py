@@ -1,9 +1,10 @@
-"""`[model] hf = "DIR"` before torch: the directory's checks, its architecture, and its shape.
+"""`[model] hf = "DIR"` before torch: the directory's checks and its shape.
 
 A Hugging Face model directory holds `config.json` and `*.safetensors` (one file, or shards with
 `model.safetensors.index.json`). Config validation and `meshrun plan` read it here, without
-torch or transformers, so a wrong directory or an unsupported architecture is one line and exit 2
-before any process starts (train/preflight.py). Pure Python. The [model] keys that contradict
+torch or transformers, so a wrong directory is one line and exit 2 before any process starts
+(train/preflight.py). Whether transformers can build the architecture, and what its structure
+allows under the layout, is the adapter's to say (models/hf.py, also before launch). Pure Python. The [model] keys that contradict
 model.hf are refused by the section itself (config/sections.py).
 """
 
@@ -19,11 +20,23 @@ from meshrun.runtime.inputs import read_json
 
 CONFIG_FILE = "config.json"
 
-SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
-"""Decoder-only families with Llama's structure (embed_tokens, layers of self_attn + mlp, norm,
-lm_head; rotary positions; a `base_model_tp_plan` of colwise/rowwise): the adapter drives their
-decoder layers as they are. Others (mixture of experts, sliding-window mixes, encoder-decoders,
-vision towers) have other block inputs or other parallel plans, and are refused."""
+# config.json keys of the model's shape, each with the other names architectures give it (GPT-2:
+# n_embd, n_layer, n_head, n_positions, n_inner): (meshrun's key, names, required).
+SHAPE_KEYS = (("vocab_size", ("vocab_size",), True),
+              ("hidden_size", ("hidden_size", "n_embd", "d_model"), True),
+              ("num_hidden_layers", ("num_hidden_layers", "n_layer", "num_layers"), True),
+              ("num_attention_heads", ("num_attention_heads", "n_head"), True),
+              ("num_key_value_heads", ("num_key_value_heads",), False),
+              ("intermediate_size", ("intermediate_size", "n_inner", "ffn_dim"), False),
+              ("max_position_embeddings", ("max_position_embeddings", "n_positions", "n_ctx"), False),
+              ("head_dim", ("head_dim",), False))
+
+
+def shape_value(config: dict[str, Any], key: str) -> Any:
+    """config.json's value of the shape key `key` under any of its names (SHAPE_KEYS), or None."""
+    names = next((names for k, names, _ in SHAPE_KEYS if k == key), (key,))
+    return next((config[n] for n in names if config.get(n) is not None), None)
+
 
 def read_hf_config(path: str) -> dict[str, Any]:
     """config.json of the HF directory `path`, checked: a directory, readable JSON, a supported
@@ -42,9 +55,8 @@ def read_hf_config(path: str) -> dict[str, Any]:
     if not isinstance(config, dict):
         raise ConfigError(f"{where}: {CONFIG_FILE} holds {type(config).__name__}, not a JSON object")
     kind = config.get("model_type")
-    if kind not in SUPPORTED:
-        raise ConfigError(f"{where}: model_type {kind!r} is not supported; supported: {', '.join(SUPPORTED)} "
-                          "(Llama-structured decoders)")
+    if not isinstance(kind, str) or not kind:
+        raise ConfigError(f"{where}: {CONFIG_FILE} has no model_type; give the directory save_pretrained wrote")
     if not any(root.glob("*.safetensors")):
         raise ConfigError(f"{where} has no *.safetensors weights; save the model with "
                           "save_pretrained(DIR) (safe_serialization, the default)")
@@ -52,18 +64,14 @@ def read_hf_config(path: str) -> dict[str, Any]:
     return config
 
 
-# config.json keys the model's shape is read from: (key, required). All positive integers.
-SHAPE_INTS = (("vocab_size", True), ("hidden_size", True), ("num_hidden_layers", True),
-              ("num_attention_heads", True), ("intermediate_size", True), ("num_key_value_heads", False),
-              ("max_position_embeddings", False), ("head_dim", False))
 SHAPE_FLOATS = ("rope_theta", "rms_norm_eps")
 
 
 def _check_shape_keys(config: dict[str, Any], where: str) -> None:
     """The keys the shape is read from hold what transformers writes there: one line otherwise."""
     fix = "fix config.json or save the model again with save_pretrained"
-    for key, required in SHAPE_INTS:
-        value = config.get(key)
+    for key, _names, required in SHAPE_KEYS:
+        value = shape_value(config, key)
         if value is None and not required:
             continue
         if value is None:
@@ -90,20 +98,21 @@ def model_args_from_hf(path: str, vocab_size: int | None = None) -> ModelArgs:
     """The built-in `ModelArgs` with the HF model's shape: what the layout rules, `meshrun plan`
     and the FLOPs count read. `vocab_size` is the tokenizer's: it must fit the model's."""
     c = read_hf_config(path)
-    heads = int(c["num_attention_heads"])
+    heads = int(shape_value(c, "num_attention_heads"))
     model_vocab = int(c["vocab_size"])
+    hidden = int(shape_value(c, "hidden_size"))
     if vocab_size and vocab_size > model_vocab:
         raise ConfigError(f"data.tokenizer has {vocab_size} ids but model.hf={path!r} has vocab_size="
                           f"{model_vocab}; use the model's own tokenizer (or one with at most {model_vocab} ids)")
     rope = c.get("rope_parameters") or {}
     return ModelArgs(
         vocab_size=model_vocab,
-        dim=int(c["hidden_size"]),
-        n_layers=int(c["num_hidden_layers"]),
+        dim=hidden,
+        n_layers=int(shape_value(c, "num_hidden_layers")),
         n_heads=heads,
-        n_kv_heads=int(c.get("num_key_value_heads") or heads),
-        ffn_hidden=int(c["intermediate_size"]),
-        max_seq_len=int(c.get("max_position_embeddings") or 2048),
+        n_kv_heads=int(shape_value(c, "num_key_value_heads") or heads),
+        ffn_hidden=int(shape_value(c, "intermediate_size") or 4 * hidden),
+        max_seq_len=int(shape_value(c, "max_position_embeddings") or 2048),
         tie_embeddings=bool(c.get("tie_word_embeddings", False)),
         rope_theta=float(rope.get("rope_theta") or c.get("rope_theta") or 10000.0),
         norm_eps=float(c.get("rms_norm_eps") or 1e-6),
@@ -111,7 +120,8 @@ def model_args_from_hf(path: str, vocab_size: int | None = None) -> ModelArgs:
 
 
 # base_model_tp_plan styles meshrun maps onto torch's parallel styles (models/hf.py builds them).
-TP_STYLES = ("colwise", "rowwise", "replicated_with_grad_allreduce")
+TP_STYLES = ("colwise", "rowwise", "colwise_gather_output", "rowwise_split_input",
+             "replicated_with_grad_allreduce")
 
 
 def layer_tp_plan(config: Any) -> dict[str, str]:
@@ -122,21 +132,9 @@ def layer_tp_plan(config: Any) -> dict[str, str]:
     return {k.removeprefix("layers.*."): v for k, v in plan.items() if k.startswith("layers.*.")}
 
 
-def check_hf_tp_plan(path: str, sequence_parallel: bool) -> dict[str, str]:
-    """model.hf under tp > 1, before launch: sequence parallel, and the styles of a plan that
-    config.json states. save_pretrained leaves out a plan that is the transformers class's own
-    default (a class attribute): then the workers check the plan of the built config."""
-    from meshrun.parallel.rules import check_hf_tp
-
-    plan = layer_tp_plan(read_hf_config(path))
-    if plan or sequence_parallel:
-        check_hf_tp(path, sequence_parallel, plan, TP_STYLES)
-    return plan
-
-
 def check_hf_seq_len(path: str, seq_len: int) -> None:
     """data.seq_len within the model's max_position_embeddings (its RoPE tables and masks end there)."""
-    limit = read_hf_config(path).get("max_position_embeddings")
+    limit = shape_value(read_hf_config(path), "max_position_embeddings")
     if limit and seq_len > int(limit):
         raise ConfigError(f"data.seq_len={seq_len} is longer than model.hf={path!r} allows "
                           f"(max_position_embeddings={int(limit)}); set data.seq_len to {int(limit)} or less")

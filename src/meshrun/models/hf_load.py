@@ -14,29 +14,47 @@ fills them in place and each rank reads only the slices it holds: never a full c
 from __future__ import annotations
 
 import logging
+import sys
 
+import torch
 from torch import nn
 
 from meshrun.errors import ModelError
-from meshrun.models.hf_keys import to_hf_key
+from meshrun.models.hf_keys import _PREFIXES, to_hf_key
 
 logger = logging.getLogger(__name__)
 
 
 def hf_state_dict(parts: list[nn.Module]) -> dict:
-    """The parts' parameters keyed by HF checkpoint names; a tied output projection is left out
-    (it is the embedding's tensor, and HF checkpoints do not store `lm_head.weight` then)."""
+    """The parts' parameters keyed by HF checkpoint names (each part's own `parts.prefixes`,
+    models/hf.py); a tied output projection is left out (it is the embedding's tensor, and HF
+    checkpoints do not store `lm_head.weight` then), and so is a head untied by
+    model.tie_embeddings=false (the files hold none: `head_from_embedding` loads it)."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
     state: dict = {}
     for part in parts:
         inner = getattr(part, "module", part)  # DDP
-        tied = (getattr(inner, "output", None) is not None and getattr(inner, "tok_embeddings", None) is not None
-                and inner.output.weight is inner.tok_embeddings.weight)
+        prefixes = inner.parts.prefixes if hasattr(inner, "parts") else _PREFIXES
+        skip_head = getattr(inner, "tied", False) or getattr(inner, "head_from_embedding", False)
         for name, tensor in get_model_state_dict(part).items():
-            if tied and name == "output.weight":
+            if skip_head and name == "output.weight":
                 continue
-            state[to_hf_key(name)] = tensor
+            state[to_hf_key(name, prefixes)] = tensor
+    return state
+
+
+def _untied_heads(parts: list[nn.Module]) -> dict:
+    """{HF name of the embedding: the head's tensor} for a head untied by model.tie_embeddings=false."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    state: dict = {}
+    for part in parts:
+        inner = getattr(part, "module", part)
+        if getattr(inner, "head_from_embedding", False) and inner.output is not None:
+            head = get_model_state_dict(part).get("output.weight")
+            if head is not None:
+                state[to_hf_key("tok_embeddings.weight", inner.parts.prefixes)] = head
     return state
 
 
@@ -49,10 +67,16 @@ def load_hf_weights(parts: list[nn.Module], path: str) -> None:
     from torch.distributed.checkpoint.api import CheckpointException
 
     state = hf_state_dict(parts)
+    if not _names_in_files(path, state):
+        _load_converted(parts, path)
+        return
     try:
         with warnings.catch_warnings():  # "assuming ... a single process": one process is meant
             warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
             dcp.load(state, storage_reader=dcp.HuggingFaceStorageReader(path))
+            heads = _untied_heads(parts)
+            if heads or _any_untied(parts):  # collective: every rank calls it when any part is untied
+                dcp.load(heads, storage_reader=dcp.HuggingFaceStorageReader(path))
     except (Exception, CheckpointException) as exc:  # noqa: BLE001 - DCP wraps per-rank failures (a BaseException)
         text = " ".join(str(exc).split())
         raise ModelError(f"model.hf={path!r}: cannot load its safetensors into the model "
@@ -62,6 +86,79 @@ def load_hf_weights(parts: list[nn.Module], path: str) -> None:
         if hasattr(inner, "weights_pending"):
             inner.weights_pending = False
     logger.info("loaded %d tensors from %s", len(state), path)
+
+
+def _file_names(path: str) -> set[str]:
+    from pathlib import Path
+
+    from safetensors import safe_open
+
+    names: set[str] = set()
+    for file in sorted(Path(path).expanduser().glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as weights:
+            names.update(weights.keys())
+    return names
+
+
+def _names_in_files(path: str, state: dict) -> bool:
+    """Whether the safetensors store every tensor under its module's name (Llama, Qwen, Gemma...),
+    rather than in a layout transformers converts when it loads (experts one by one, renamed heads).
+    The same answer on every rank (a pipeline stage may hold only names that match): all ranks
+    must then take the same path, the direct one being collective."""
+    import torch.distributed as dist
+
+    found = set(state) <= _file_names(path)
+    if dist.is_available() and dist.is_initialized():
+        flag = torch.tensor([int(found)])
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        found = bool(flag.item())
+    return found
+
+
+def _load_converted(parts: list[nn.Module], path: str) -> None:
+    """The weights of a directory whose files transformers converts on load (a mixture of experts
+    stored expert by expert, fused into one tensor per layer in the model; GPT-NeoX's `embed_out`
+    for `lm_head`): transformers loads the whole model once on this rank's CPU, with its own
+    conversions, and each part copies its slices from it. One full copy per rank while loading
+    (the direct path reads only this rank's slices); logged."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+    from transformers import AutoModelForCausalLM
+
+    logger.warning("model.hf=%r stores its weights in a layout transformers converts when loading; each rank "
+                   "loads the whole model once on the CPU to take its shards from it", path)
+    untie = any(getattr(getattr(p, "module", p), "head_from_embedding", False) for p in parts)
+    try:
+        kwargs = {"tie_word_embeddings": False} if untie else {}
+        hf, info = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, local_files_only=True,
+                                                        trust_remote_code=False, output_loading_info=True, **kwargs)
+    except Exception as exc:  # noqa: BLE001 - transformers' loader: one line
+        text = " ".join(str(exc).split())
+        raise ModelError(f"model.hf={path!r}: transformers cannot load its weights ({type(exc).__name__}: "
+                         f"{text[:300]})") from exc
+    missing = sorted(info.get("missing_keys") or []) + sorted(str(k) for k in info.get("mismatched_keys") or [])
+    if missing and not (untie and all(k.endswith(".weight") and "head" in k for k in missing)):
+        raise ModelError(f"model.hf={path!r}: its safetensors lack or misshape {len(missing)} tensor(s) the model "
+                         f"needs, e.g. {missing[0]}; save the model again with save_pretrained")
+    full = hf.state_dict()
+    with torch.no_grad():
+        for part in parts:
+            inner = getattr(part, "module", part)
+            prefixes = inner.parts.prefixes
+            for name, tensor in get_model_state_dict(part).items():
+                key = to_hf_key(name, prefixes)
+                source = full.get(key)
+                if source is None and untie and name == "output.weight":
+                    source = full[to_hf_key("tok_embeddings.weight", prefixes)]
+                local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+                local.copy_(local_like(source, tensor).to_local() if hasattr(tensor, "to_local")
+                            else source.to(dtype=tensor.dtype))
+            if hasattr(inner, "weights_pending"):
+                inner.weights_pending = False
+    del hf, full
+
+
+def _any_untied(parts: list[nn.Module]) -> bool:
+    return any(getattr(getattr(p, "module", p), "head_from_embedding", False) for p in parts)
 
 
 # safetensors dtypes a floating-point parameter can be loaded from.
@@ -111,3 +208,14 @@ def check_hf_weights(path: str, expected: dict[str, tuple[int, ...]] | None = No
         name = wrong[0]
         raise ConfigError(f"model.hf={path!r}: {found[name][0]} holds {name} as {list(found[name][1])}, "
                           f"but config.json makes it {list(expected[name])} ({len(wrong)} tensor(s) differ); {fix}")
+
+
+def local_like(full: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """`full` as `param`'s kind of tensor: a DTensor parameter gets its local slice, no communication."""
+    full = full.to(device=param.device, dtype=param.dtype)
+    if "torch.distributed.tensor" in sys.modules:
+        from torch.distributed.tensor import DTensor, distribute_tensor
+
+        if isinstance(param, DTensor):
+            return distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
+    return full

@@ -142,8 +142,14 @@ def llama_config(args: ModelArgs, tokenizer_ids: dict) -> dict:
     }
 
 
-def hf_run_plan(specs: dict[str, tuple], hf_dir: str) -> HFPlan:
-    """The plan for a `[model] hf = DIR` run: adapter names -> HF names, config.json as DIR has it."""
+def hf_run_plan(specs: dict[str, tuple], hf_dir: str, tie_embeddings: bool | None = None) -> HFPlan:
+    """The plan for a `[model] hf = DIR` run: adapter names -> the names of transformers' modules
+    (where the adapter's pieces sit: `HFParts.prefixes` from a build on meta), config.json as DIR has
+    it (with `tie_word_embeddings` false when model.tie_embeddings=false untied the head). The
+    module names are what transformers' from_pretrained loads as they are (a mixture of experts'
+    fused expert tensors included)."""
+    from meshrun.models.hf import hf_parts
+
     path = Path(hf_dir).expanduser() / "config.json"
     try:
         config = json.loads(path.read_text(encoding="utf-8"))
@@ -151,16 +157,19 @@ def hf_run_plan(specs: dict[str, tuple], hf_dir: str) -> HFPlan:
         raise ConfigError(f"model.hf={hf_dir!r}: cannot read {path} ({type(exc).__name__}); the run's "
                           "Hugging Face model directory must still be there to export it") from None
     tied = bool(config.get("tie_word_embeddings", False))
+    if tied and tie_embeddings is False:
+        config["tie_word_embeddings"] = tied = False
+    prefixes = hf_parts(hf_dir, tie_embeddings).prefixes
     names = {}
     for name in specs:
-        if ".rotary_emb." in f".{name}":
-            continue  # derived buffers, never in an HF checkpoint
+        if name.split(".", 1)[0] in ("extras", "rotary_emb"):
+            continue  # buffer-only modules (rotary tables): derived, never in an HF checkpoint
         try:
-            hf_name = to_hf_key(name)
+            hf_name = to_hf_key(name, prefixes)
         except KeyError:
             raise ConfigError(f"model.hf={hf_dir!r}: the checkpoint's tensor {name!r} is not a name of meshrun's "
                               "Hugging Face adapter; was this run trained with [model] hf?") from None
-        if not (tied and hf_name == "lm_head.weight"):
+        if not (tied and name == "output.weight"):
             names[name] = hf_name
     return HFPlan(config, names, {})
 
@@ -168,4 +177,6 @@ def hf_run_plan(specs: dict[str, tuple], hf_dir: str) -> HFPlan:
 def plan_for(specs: dict[str, tuple], run_config: dict, tokenizer_ids: dict) -> HFPlan:
     """The plan for a run of either kind, chosen by its `[model] hf`."""
     hf_dir = str(run_config.get("model", {}).get("hf", "") or "")
-    return hf_run_plan(specs, hf_dir) if hf_dir else builtin_plan(specs, run_config, tokenizer_ids)
+    if hf_dir:
+        return hf_run_plan(specs, hf_dir, run_config.get("model", {}).get("tie_embeddings"))
+    return builtin_plan(specs, run_config, tokenizer_ids)

@@ -56,6 +56,8 @@ def stage_module(model: nn.Module, stage_id: int, num_stages: int, layers: list[
             del stage.layers[name]
     if stage_id != 0:
         stage.tok_embeddings = None
+        if getattr(stage, "input_parts", None) is not None:  # the HF adapter's (GPT-2's wpe): the first stage's
+            stage.input_parts = None
     if stage_id != num_stages - 1:
         stage.norm = None
         stage.output = None

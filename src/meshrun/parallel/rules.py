@@ -132,18 +132,22 @@ def check_tp_features(tp: int, pp: int, sequence_parallel: bool, loss_parallel: 
                           f"stages send plain tensors); turn {'it' if one else 'them'} off or set parallel.pp=1")
 
 
-def check_hf_tp(hf: str, sequence_parallel: bool, styles: dict[str, str], supported: tuple[str, ...]) -> None:
+def check_hf_tp(hf: str, sequence_parallel: bool, styles: dict[str, str], supported: tuple[str, ...],
+                tp: int = 2, model_type: str = "") -> None:
     """A `model.hf` model under TP: its config's base_model_tp_plan gives the block plan, in
     styles meshrun maps; its decoder layers take keyword inputs, which sequence parallel cannot shard."""
-    where = f"model.hf={hf!r}"
+    where = f"model.hf={hf!r}" + (f" (model_type {model_type!r})" if model_type else "")
     if sequence_parallel:
         raise ConfigError(f"parallel.sequence_parallel=true is not offered for {where} (HF decoder layers "
                           "take their inputs as keywords); turn it off")
+    fix = "set parallel.tp=1 and shard with parallel.dp_shard (FSDP) instead"
+    if not styles:
+        raise ConfigError(f"parallel.tp={tp}: {where} declares no base_model_tp_plan in transformers, so there "
+                          f"is no known way to split its layers; {fix}")
     bad = {pattern: style for pattern, style in styles.items() if style not in supported}
-    if not styles or bad:
-        what = (f"tensor-parallel styles {bad} are not supported (supported: {', '.join(supported)})" if bad
-                else "its config has no base_model_tp_plan")
-        raise ConfigError(f"{where}: {what}; set parallel.tp=1")
+    if bad:
+        raise ConfigError(f"parallel.tp={tp}: {where}: tensor-parallel styles {bad} are not supported "
+                          f"(supported: {', '.join(supported)}); {fix}")
 
 
 def check_precision(dtype: str, pp: int, param_dtype: str = "auto") -> None:
@@ -204,11 +208,13 @@ def check_stages(pp: int, n_layers: int | None, world_size: int, stages_per_rank
                       f"least one block); {fix}")
 
 
-def check_tied_pipeline(tie_embeddings: bool | None) -> None:
+def check_tied_pipeline(tie_embeddings: bool | None, pp: int = 2) -> None:
     """Pipeline stages cannot share the embedding matrix with the output layer."""
     if tie_embeddings:
-        raise ConfigError("pipeline parallel with model.tie_embeddings=true would split the shared "
-                          "matrix between the first and last stage; set model.tie_embeddings=false")
+        raise ConfigError(f"parallel.pp={pp} with a tied embedding and head (model.tie_embeddings=true, or a "
+                          "model.hf config's tie_word_embeddings) would split the shared matrix between the "
+                          "first and last stage; set model.tie_embeddings=false (the head then starts as a "
+                          "copy of the embedding) or parallel.pp=1")
 
 
 def _heads_problem(tp: int, world_size: int, n_heads: int | None, n_kv_heads: int | None) -> str | None:
@@ -232,7 +238,7 @@ def check_model_shape(*, tp: int, pp: int, world_size: int, n_heads: int | None 
         raise ConfigError(problem)
     check_stages(pp, n_layers, world_size)
     if pp > 1:
-        check_tied_pipeline(tie_embeddings)
+        check_tied_pipeline(tie_embeddings, pp)
 
 
 def model_fits(*, tp: int, pp: int, n_heads: int, n_kv_heads: int, n_layers: int,

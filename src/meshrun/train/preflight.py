@@ -119,12 +119,9 @@ def _check_checkpoints(cfg: JobConfig, vocab_size: int) -> None:
 def check_hf_dir(cfg: JobConfig) -> None:
     """model.hf: its config.json, architecture and weights (models/hf_config.py), and data.seq_len
     within its max_position_embeddings (its RoPE tables and masks end there)."""
-    from meshrun.models.hf_config import read_hf_config
+    from meshrun.models.hf_config import check_hf_seq_len
 
-    limit = read_hf_config(cfg.model.hf).get("max_position_embeddings")
-    if limit and cfg.data.seq_len > int(limit):
-        raise ConfigError(f"data.seq_len={cfg.data.seq_len} is longer than model.hf={cfg.model.hf!r} allows "
-                          f"(max_position_embeddings={int(limit)}); set data.seq_len to {int(limit)} or less")
+    check_hf_seq_len(cfg.model.hf, cfg.data.seq_len)
 
 
 def check_fault(cfg: JobConfig, *, nnodes: str = "1") -> None:
@@ -320,7 +317,14 @@ def _check_layout(cfg: JobConfig, vocab_size: int, nproc_per_node: str, nnodes: 
 
         model = ModelShape.from_args(model_args_from_config(cfg.model, vocab_size))
     layout = resolve_layout(options, world, model)
-    if cfg.model.hf and layout.dims.tp > 1:  # the HF config's TP plan, before any worker builds it
-        from meshrun.models.hf_config import check_hf_tp_plan
+    if cfg.model.hf and (layout.dims.tp > 1 or layout.dims.pp > 1):
+        # what the architecture's structure allows, from transformers' own build on meta
+        from meshrun.models.factory import build_model
+        from meshrun.models.meta import on_meta
 
-        check_hf_tp_plan(cfg.model.hf, options.sequence_parallel)
+        if options.sequence_parallel:
+            from meshrun.parallel.rules import check_hf_tp
+
+            check_hf_tp(cfg.model.hf, True, {}, ())
+        with on_meta():
+            build_model(cfg.model, vocab_size, seed=0).check_layout(layout.dims.tp, layout.dims.pp)
