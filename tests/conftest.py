@@ -51,7 +51,7 @@ _FILE_TIMES: dict[str, list[float]] = {}
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
-    """MESHRUN_SUITE_TIMES=PATH: each test file's wall time and CPU time (this process, plus the
+    """MESHRUN_SUITE_TIMES=PATH: each test file's wall time, CPU time, worker and first start / last end (this process, plus the
     children it has reaped: CLI runs; ranks forked from the harness's forkserver are counted only
     when that server exits) appended to PATH as JSON lines, one per file, at the end of the session."""
     if not os.environ.get("MESHRUN_SUITE_TIMES"):
@@ -63,19 +63,22 @@ def pytest_runtest_protocol(item, nextitem):
         own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
         return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
 
-    wall, used = time.monotonic(), cpu()
+    wall, used, start = time.monotonic(), cpu(), time.time()
     yield
-    entry = _FILE_TIMES.setdefault(item.nodeid.split("::")[0], [0.0, 0.0])
+    entry = _FILE_TIMES.setdefault(item.nodeid.split("::")[0], [0.0, 0.0, start, 0.0])
     entry[0] += time.monotonic() - wall
     entry[1] += cpu() - used
+    entry[3] = time.time()
 
 
 def pytest_sessionfinish(session) -> None:
     path = os.environ.get("MESHRUN_SUITE_TIMES")
     if path and _FILE_TIMES:
         with open(path, "a") as out:
-            for name, (wall, used) in _FILE_TIMES.items():
-                out.write(json.dumps({"file": name, "wall_s": round(wall, 2), "cpu_s": round(used, 2)}) + "\n")
+            for name, (wall, used, start, end) in _FILE_TIMES.items():  # start/end: when (epoch s), for the workers' timelines
+                out.write(json.dumps({"file": name, "wall_s": round(wall, 2), "cpu_s": round(used, 2),
+                                      "worker": os.environ.get("PYTEST_XDIST_WORKER", ""),
+                                      "start": round(start, 1), "end": round(end, 1)}) + "\n")
 
 
 def free_port() -> int:
