@@ -24,6 +24,9 @@ What each architecture exercises:
 - olmo2:     post-norm (norm after attention / MLP, before the residual add) and QK norm over the
              whole projection (not per head), untied.
 - mixtral:   sparse MoE: 4 local experts, top-2 routing, every layer sparse, expert intermediate 32.
+- opt:       the base model one level down (`model.decoder`), learned positions with an offset, the
+             final norm registered before the layers (which run first is seen in a meta forward),
+             no base_model_tp_plan, tied head.
 - qwen2_moe: sparse MoE: 4 experts, top-2 (norm_topk_prob False), a sigmoid-gated shared expert
              (intermediate 64), every layer sparse (decoder_sparse_step=1, mlp_only_layers=[]).
 
@@ -209,6 +212,17 @@ def _mixtral():
     )
 
 
+def _opt():
+    from transformers import OPTConfig
+
+    return OPTConfig(
+        vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
+        ffn_dim=INTERMEDIATE, max_position_embeddings=POSITIONS, word_embed_proj_dim=HIDDEN,
+        dropout=0.0, attention_dropout=0.0, layerdrop=0.0, use_cache=False, pad_token_id=None,
+        bos_token_id=1, eos_token_id=2, tie_word_embeddings=True,
+    )
+
+
 def _qwen2_moe():
     from transformers import Qwen2MoeConfig
 
@@ -239,6 +253,7 @@ ARCHS: dict[str, Callable[[], object]] = {
     "olmo2": _olmo2,
     "mixtral": _mixtral,
     "qwen2_moe": _qwen2_moe,
+    "opt": _opt,
 }
 
 

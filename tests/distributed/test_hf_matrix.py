@@ -1,7 +1,7 @@
 """Any Hugging Face causal LM under every layout its structure allows: the architecture x layout matrix.
 
-Eleven tiny random models (tests/hf_zoo.py: Llama, Mistral, Qwen2 with biases, Qwen3, Gemma 3, Phi-3,
-GPT-NeoX, GPT-2, OLMo 2, Mixtral, Qwen2-MoE), saved with save_pretrained, no hub. One 2-rank launch
+Twelve tiny random models (tests/hf_zoo.py: Llama, Mistral, Qwen2 with biases, Qwen3, Gemma 3, Phi-3,
+GPT-NeoX, GPT-2, OLMo 2, Mixtral, Qwen2-MoE, OPT), saved with save_pretrained, no hub. One 2-rank launch
 trains each under DDP, FSDP, TP 2 (tp = the world: norms stay plain beside DTensor biases) and PP 2
 (1F1B) through meshrun's own path (build_hf_model on meta, the pre-launch `check_layout`,
 build_layout, load_hf_weights, meshrun's optimizer with the default fused AdamW, layout_step) for
@@ -13,9 +13,10 @@ match at every step within TOL; a layout the structure does not allow must be re
 in one line, and the fix it names must make the run start: for a tied head under PP,
 model.tie_embeddings=false, checked against transformers with the head untied the same way.
 
-Export: after FSDP 2 and TP 2, rank 0 gathers the weights, writes them under the names
-`ckpt export --format hf` gives them (models/to_hf.py `hf_run_plan`) with config.json, and the test
-loads that directory with from_pretrained: its logits equal the trained model's within 1e-5.
+Export: after FSDP 2 and TP 2, the ranks save the model state with torch.distributed.checkpoint as a
+meshrun checkpoint holds it (sharded), `ckpt export --format hf`'s writer turns that checkpoint into
+a Hugging Face directory (trained/export_hf.py `write_hf`, tensors assembled from the shards), and
+from_pretrained loads it: its logits equal the trained model's within 1e-5.
 
 The matrix goes to docs/models.md (between the markers below), generated from the results:
 MESHRUN_WRITE_MODELS_TABLE=1 rewrites it; otherwise the page must already say what the run found.
@@ -23,7 +24,6 @@ MESHRUN_WRITE_MODELS_TABLE=1 rewrites it; otherwise the page must already say wh
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from pathlib import Path
@@ -81,7 +81,6 @@ def _optim_cfg():
 
 def _train(hf_dir: str, options: dict, world: int, *, tie: bool | None = None, export_to: str = "") -> dict:
     """meshrun's path, as the trainer takes it. {"losses": [...]} or {"refused": line}."""
-    import torch.distributed as dist
 
     from meshrun.models.hf import build_hf_model
     from meshrun.models.hf_load import load_hf_weights
@@ -121,32 +120,37 @@ def _train(hf_dir: str, options: dict, world: int, *, tie: bool | None = None, e
     result: dict = {"losses": losses}
     if export_to:
         result["logits"] = _export(layout.parts[0], hf_dir, export_to, tokens[:2, :-1], tie)
-        dist.barrier()
     return result
 
 
 def _export(part, hf_dir: str, out: str, sample: torch.Tensor, tie: bool | None) -> list | None:
-    """Rank 0 writes the gathered weights as `ckpt export --format hf` names them; returns the
-    trained model's logits on `sample` (every rank computes them: a collective under FSDP/TP)."""
-    import torch.distributed as dist
-    from safetensors.torch import save_file
+    """This layout's checkpoint of the trained weights: the model state dict as a meshrun checkpoint
+    holds it (`model.<name>`, FSDP/TP shards as DTensors), saved by torch.distributed.checkpoint into
+    `out`/ckpt; returns the trained model's logits on `sample` (every rank computes them: a
+    collective under FSDP/TP)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-    from meshrun.models.to_hf import hf_run_plan
-    from meshrun.parallel.parallelize import full_state_dict
-
-    state = full_state_dict(part)
+    dcp.save({"model": get_model_state_dict(part)}, checkpoint_id=os.path.join(out, "ckpt"))
     with torch.no_grad():
         logits = part(sample)
     if hasattr(logits, "full_tensor"):
         logits = logits.full_tensor()
-    if dist.get_rank() != 0:
-        return None
-    plan = hf_run_plan({k: (tuple(v.shape), v.dtype) for k, v in state.items()}, hf_dir, tie)
-    Path(out).mkdir(parents=True, exist_ok=True)
-    save_file({plan.names[k]: plan.convert(k, v) for k, v in state.items() if k in plan.names},
-              str(Path(out) / "model.safetensors"), metadata={"format": "pt"})
-    (Path(out) / "config.json").write_text(json.dumps(plan.config))
     return logits.tolist()
+
+
+def _export_hf(ckpt: str, hf_dir: str, out: str) -> None:
+    """`ckpt export --format hf`'s writer (trained/export_hf.py `write_hf`) over the checkpoint's
+    tensors, each assembled from every rank's shards (checkpoint/export.py), as the CLI reads them."""
+    from meshrun.checkpoint.export import read_model_tensor, saved_tensors
+    from meshrun.trained.export_hf import write_hf
+    from meshrun.trained.model_source import ModelSource
+
+    metas = {key[len("model."):]: md for key, md in saved_tensors(Path(ckpt)).items() if key.startswith("model.")}
+    specs = {name: (tuple(md.size), md.properties.dtype) for name, md in metas.items()}
+    source = ModelSource(Path(ckpt), {"model": {"hf": hf_dir}}, None, specs,
+                         lambda name: read_model_tensor(Path(ckpt), name, metas[name]))
+    write_hf(source, Path(out), max_bytes=10**9)
 
 
 def _rank_all(dirs: dict[str, str], exports: str) -> dict[str, dict]:
@@ -278,7 +282,7 @@ def test_llama_four_rank_layouts_match_transformers(runs4, references, name):
 
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("layout", EXPORTED)
-def test_export_loads_with_from_pretrained_and_gives_the_same_logits(runs2, exports, arch, layout):
+def test_export_loads_with_from_pretrained_and_gives_the_same_logits(runs2, exports, zoo, arch, layout):
     from transformers import AutoModelForCausalLM
 
     got = runs2[0][f"{arch}/{layout}"]
@@ -286,8 +290,10 @@ def test_export_loads_with_from_pretrained_and_gives_the_same_logits(runs2, expo
         assert layout == "tp2" and "no base_model_tp_plan" in got["refused"], got
         return
     assert "logits" in got, got
-    model, info = AutoModelForCausalLM.from_pretrained(os.path.join(exports, f"{arch}-{layout}"),
-                                                       dtype=torch.float32, output_loading_info=True)
+    where = os.path.join(exports, f"{arch}-{layout}")
+    _export_hf(os.path.join(where, "ckpt"), zoo[arch], os.path.join(where, "hf"))
+    model, info = AutoModelForCausalLM.from_pretrained(os.path.join(where, "hf"), dtype=torch.float32,
+                                                       output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"], info
     with torch.no_grad():
         logits = model(_global_batch()[:2, :-1]).logits

@@ -2,7 +2,7 @@
 
 Tiny models saved with save_pretrained (conftest.save_tiny_hf), on 1 and 2 processes: one process
 (tied Qwen3) and FSDP 2 with its export (every other layout, and 2-D compositions on 4 ranks, run
-in-process over eleven architectures in tests/distributed/test_hf_matrix.py; PP 2 through the CLI
+in-process over twelve architectures in tests/distributed/test_hf_matrix.py; PP 2 through the CLI
 in test_refusals_name_a_fix_and_the_fix_runs below). Each run trains STEPS steps on
 the built-in corpus and logs the loss every step; the reference trains the single-process
 `AutoModelForCausalLM.from_pretrained(DIR)` on the same global batches (meshrun's loader, every

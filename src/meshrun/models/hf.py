@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import copy
 import zlib
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -46,8 +45,17 @@ from torch import nn
 
 from meshrun.errors import ModelError
 from meshrun.extras import missing_extra_message
-from meshrun.models.hf_config import TP_STYLES, layer_tp_plan, model_args_from_hf
+from meshrun.models.hf_config import TP_STYLES, layer_tp_plan, model_args_from_hf, read_hf_config
 from meshrun.models.hf_load import local_like
+from meshrun.models.hf_parts import (
+    HFParts,
+    _annotated_arity,
+    _Enter,
+    _Leave,
+    _Skip,
+    _StageDone,
+    _Stub,
+)
 
 
 def build_hf_model(path: str, vocab_size: int | None = None, *, seed: int | None = None,
@@ -59,7 +67,8 @@ def build_hf_model(path: str, vocab_size: int | None = None, *, seed: int | None
     `tie_embeddings=False` unties a model whose config ties its head to its embedding: the head
     becomes its own matrix, loaded as a copy of the embedding (model.tie_embeddings = false).
     """
-    args = model_args_from_hf(path, vocab_size)  # checks the directory and the vocabulary
+    read_hf_config(path)  # the directory's own checks first, one line each
+    args = model_args_from_hf(path, vocab_size, _hf_config(path))  # the shape as transformers reads it; the vocabulary
     model = HFCausalLM(path, args, untie=tie_embeddings is False and args.tie_embeddings)
     model.weights_pending = True  # materialise cheaply: the directory's weights come next
     if not any(p.is_meta for p in model.parameters()):
@@ -81,110 +90,6 @@ def _hf_config(path: str) -> Any:
         text = " ".join(str(exc).split())[:200]
         raise ModelError(f"model.hf={path!r}: transformers cannot read its config.json ({type(exc).__name__}: "
                          f"{text}); give a causal LM this transformers ships") from None
-
-
-def _has_state(module: nn.Module) -> tuple[bool, bool]:
-    """(has parameters, has buffers), anywhere below `module`."""
-    return (next(module.parameters(), None) is not None, next(module.buffers(), None) is not None)
-
-
-@dataclass(frozen=True)
-class HFParts:
-    """Where meshrun's pieces sit in a transformers causal LM (attribute names)."""
-
-    base: str
-    """the causal LM's base model (`base_model_prefix`: "model", "transformer", "gpt_neox")"""
-    embed: str
-    layers: str
-    norm: str | None
-    head: str
-    input_parts: tuple[str, ...]
-    extras: tuple[str, ...]
-
-    @classmethod
-    def find(cls, hf: nn.Module, where: str) -> HFParts:
-        """The pieces of `hf`, or one ModelError line saying which one is not where a decoder-only
-        causal LM has it."""
-        def refuse(what: str) -> ModelError:
-            return ModelError(f"{where} ({type(hf).__name__}): {what}; meshrun trains decoder-only causal LMs "
-                              "(an embedding, one list of decoder layers, a final norm, a head)")
-
-        prefix = getattr(hf, "base_model_prefix", "")
-        base = getattr(hf, prefix, None) if prefix else None
-        if not isinstance(base, nn.Module) or base is hf:
-            raise refuse("no base model under the head")
-        embed, head = hf.get_input_embeddings(), hf.get_output_embeddings()
-        base_children = list(base.named_children())
-        embed_name = next((n for n, m in base_children if m is embed), None)
-        head_name = next((n for n, m in hf.named_children() if m is head), None)
-        if embed_name is None or head_name is None:
-            raise refuse("its input embedding or output head is not a direct child of the model")
-        others = [n for n, m in hf.named_children() if n not in (prefix, head_name) and any(_has_state(m))]
-        if others:
-            raise refuse(f"it holds more than a decoder ({', '.join(others)})")
-        n_layers = int(hf.config.get_text_config().num_hidden_layers)
-        lists = [n for n, m in base_children if isinstance(m, nn.ModuleList) and len(m) == n_layers]
-        if len(lists) != 1:
-            raise refuse(f"{'no' if not lists else 'more than one'} list of num_hidden_layers={n_layers} decoder layers")
-        order = [n for n, _ in base_children]
-        at = order.index(lists[0])
-        norm, input_parts, extras = [], [], []
-        for index, (name, module) in enumerate(base_children):
-            if name in (embed_name, lists[0]):
-                continue
-            params, buffers = _has_state(module)
-            if params and index > at:
-                norm.append(name)
-            elif params:
-                input_parts.append(name)
-            elif buffers:
-                extras.append(name)
-        if len(norm) > 1:
-            raise refuse(f"more than one module with parameters after the decoder layers ({', '.join(norm)})")
-        return cls(prefix, embed_name, lists[0], norm[0] if norm else None, head_name,
-                   tuple(input_parts), tuple(extras))
-
-    @property
-    def prefixes(self) -> tuple[tuple[str, str], ...]:
-        """meshrun's top-level prefix -> transformers', for every piece (models/hf_keys.py)."""
-        pairs = [("tok_embeddings.", f"{self.base}.{self.embed}."), ("layers.", f"{self.base}.{self.layers}."),
-                 ("output.", f"{self.head}.")]
-        if self.norm:
-            pairs.append(("norm.", f"{self.base}.{self.norm}."))
-        pairs += [(f"input_parts.{n}.", f"{self.base}.{n}.") for n in self.input_parts]
-        pairs += [(f"extras.{n}.", f"{self.base}.{n}.") for n in self.extras]
-        return tuple(pairs)
-
-
-class _Skip(nn.Module):
-    """A decoder layer this pipeline stage does not own: its hidden states pass through."""
-
-    def forward(self, hidden_states: Any, *args: Any, **kwargs: Any) -> Any:
-        return hidden_states
-
-
-class _Stub(nn.Module):
-    """An input part (GPT-2's `wpe`) on a stage that does not own it. Its result is never used
-    (`_Enter` replaces the hidden states it went into), so a float input passes through and an
-    integer one (positions) gives 0."""
-
-    def forward(self, x: Any, *args: Any, **kwargs: Any) -> Any:
-        if isinstance(x, torch.Tensor) and x.is_floating_point():
-            return x
-        return torch.zeros((), device=x.device if isinstance(x, torch.Tensor) else None)
-
-
-class _Enter(nn.Module):
-    """The first decoder layer of a stage that gets hidden states: the stage's input replaces the
-    hidden states the model's own prologue made of it (position embeddings added, scaled...)."""
-
-    def __init__(self, layer: nn.Module, hidden: torch.Tensor):
-        super().__init__()
-        self.layer = layer
-        self.hidden = hidden
-
-    def forward(self, hidden_states: Any, *args: Any, **kwargs: Any) -> Any:
-        return self.layer(self.hidden, *args, **kwargs)
 
 
 class HFCausalLM(nn.Module):
@@ -231,7 +136,7 @@ class HFCausalLM(nn.Module):
             raise ModelError(f"{where}: transformers has no causal LM for model_type "
                              f"{config.model_type!r} ({text})") from None
         parts = HFParts.find(hf, where)
-        base = getattr(hf, parts.base)
+        base = hf.get_submodule(parts.base)
         self.hf_dir, self.args, self.config, self.parts = path, args, hf.config, parts
         self.tok_embeddings: nn.Module | None = getattr(base, parts.embed)
         self.layers = nn.ModuleDict({str(i): layer for i, layer in enumerate(getattr(base, parts.layers))})
@@ -248,8 +153,17 @@ class HFCausalLM(nn.Module):
         (no full-size random tensors drawn, which would cost memory, for values about to be replaced)."""
         self.__dict__["_hf"] = hf  # transformers' tree over the same modules, not registered twice
         self.__dict__["_n_layers"] = len(self.layers)
+        self.__dict__["_layer_attrs"] = [
+            {k: v for k, v in vars(layer).items() if not k.startswith("_") and isinstance(v, (str, int, float, bool))}
+            for layer in self.layers.values()]
         self.__dict__["_buffer_values"] = {
             name: buf.detach().clone() for name, buf in self.named_buffers() if not buf.is_meta}
+
+    def train(self, mode: bool = True) -> HFCausalLM:
+        """Also transformers' own tree: its modules without state (a base model's dropout) are
+        not registered here, and would otherwise stay in training mode through an eval."""
+        self.__dict__["_hf"].train(mode)
+        return super().train(mode)
 
     @property
     def tied(self) -> bool:
@@ -259,23 +173,27 @@ class HFCausalLM(nn.Module):
     def _sync(self, hidden: torch.Tensor | None) -> None:
         """Point transformers' module tree at the adapter's current pieces (see the module doc)."""
         hf, parts = self.__dict__["_hf"], self.parts
-        base = getattr(hf, parts.base)
+        base = hf.get_submodule(parts.base)
         seq: list[nn.Module] = []
+        mine = [index for index in range(self.__dict__["_n_layers"]) if str(index) in self.layers]
+        arity = _annotated_arity(_unwrapped(self.layers[str(mine[0])])) if mine else 0
         for index in range(self.__dict__["_n_layers"]):
             layer = self.layers[str(index)] if str(index) in self.layers else None
             if layer is None:
-                seq.append(_Skip())
-            elif hidden is not None and not any(isinstance(m, _Enter) for m in seq):
-                seq.append(_Enter(layer, hidden))
-            else:
-                seq.append(layer)
+                seq.append(_Skip(arity, self.__dict__["_layer_attrs"][index]))  # only those before the stage's first layer run
+                continue
+            if self.output is None and index == mine[-1]:
+                layer = _Leave(layer)
+            if hidden is not None and not any(isinstance(m, _Enter) for m in seq):
+                layer = _Enter(layer, hidden)
+            seq.append(layer)
         base._modules[parts.layers] = nn.ModuleList(seq)
-        base._modules[parts.embed] = self.tok_embeddings if self.tok_embeddings is not None else _Stub()
+        base._modules[parts.embed] = self.tok_embeddings if self.tok_embeddings is not None else _Stub(hidden)
         if parts.norm:
             base._modules[parts.norm] = self.norm if self.norm is not None else nn.Identity()
         for name in parts.input_parts:
             owned = self.input_parts is not None and name in self.input_parts
-            base._modules[name] = self.input_parts[name] if owned else _Stub()
+            base._modules[name] = self.input_parts[name] if owned else _Stub(hidden)
         for name in parts.extras:
             base._modules[name] = self.extras[name]
         if self.output is not None:
@@ -289,10 +207,15 @@ class HFCausalLM(nn.Module):
             raise ModelError(f"sequence length {seqlen} exceeds the max_position_embeddings="
                              f"{self.args.max_seq_len} of model.hf={self.hf_dir!r}; lower data.seq_len")
         self._sync(None if first else tokens)
-        inputs = {"input_ids": tokens} if first else {"inputs_embeds": tokens}
+        # a copy: some models scale inputs_embeds in place (CTRL), which autograd refuses on the
+        # stage input (a leaf that requires grad); `_Enter` still feeds the input itself to the layer
+        inputs = {"input_ids": tokens} if first else {"inputs_embeds": tokens.clone()}
         if self.output is not None:
             return hf(**inputs, use_cache=False).logits
-        return getattr(hf, self.parts.base)(**inputs, use_cache=False).last_hidden_state
+        try:
+            return hf.get_submodule(self.parts.base)(**inputs, use_cache=False).last_hidden_state
+        except _StageDone as done:  # the stage's last layer ran (`_Leave`)
+            return done.hidden
 
     @torch.no_grad()
     def init_weights(self, seed: int | None = None) -> None:
@@ -364,10 +287,12 @@ class HFCausalLM(nn.Module):
         """What this architecture's structure cannot do under the layout, as one ConfigError line
         naming a layout that works (before launch, on the model built on meta). A tied head under
         pp is the layout rules' (rules.check_tied_pipeline, from `args.tie_embeddings`)."""
-        if tp > 1:
-            from meshrun.parallel.rules import check_hf_tp
+        from meshrun.parallel.rules import check_hf_pp_order, check_hf_tp
 
+        if tp > 1:
             check_hf_tp(self.hf_dir, False, layer_tp_plan(self.config), TP_STYLES, tp, self.config.model_type)
+        if pp > 1:
+            check_hf_pp_order(self.hf_dir, pp, self.parts.unordered)
 
 
 def _unwrapped(block: nn.Module) -> nn.Module:

@@ -24,8 +24,11 @@ CONFIG_FILE = "config.json"
 # n_embd, n_layer, n_head, n_positions, n_inner): (meshrun's key, names, required).
 SHAPE_KEYS = (("vocab_size", ("vocab_size",), True),
               ("hidden_size", ("hidden_size", "n_embd", "d_model"), True),
-              ("num_hidden_layers", ("num_hidden_layers", "n_layer", "num_layers"), True),
-              ("num_attention_heads", ("num_attention_heads", "n_head"), True),
+              # not required here: NemotronH's config.json has none (transformers derives it from
+              # layers_block_type); model_args_from_hf asks the transformers config
+              ("num_hidden_layers", ("num_hidden_layers", "n_layer", "num_layers", "n_layers"), False),
+              # not required: attention-free models (Mamba, RWKV, xLSTM) have none
+              ("num_attention_heads", ("num_attention_heads", "n_head", "n_heads", "attention_heads"), False),
               ("num_key_value_heads", ("num_key_value_heads",), False),
               ("intermediate_size", ("intermediate_size", "n_inner", "ffn_dim"), False),
               ("max_position_embeddings", ("max_position_embeddings", "n_positions", "n_ctx"), False),
@@ -94,11 +97,22 @@ def _check_shape_keys(config: dict[str, Any], where: str) -> None:
         raise ConfigError(f"{where}: {CONFIG_FILE} tie_word_embeddings={json.dumps(tie)[:60]} is not true or false; {fix}")
 
 
-def model_args_from_hf(path: str, vocab_size: int | None = None) -> ModelArgs:
+def model_args_from_hf(path: str, vocab_size: int | None = None, hf_config: Any = None) -> ModelArgs:
     """The built-in `ModelArgs` with the HF model's shape: what the layout rules, `meshrun plan`
-    and the FLOPs count read. `vocab_size` is the tokenizer's: it must fit the model's."""
+    and the FLOPs count read. `vocab_size` is the tokenizer's: it must fit the model's. Given
+    `hf_config` (the transformers config object: its attribute_map and derived properties know
+    every architecture's names), the shape keys are read from it."""
     c = read_hf_config(path)
-    heads = int(shape_value(c, "num_attention_heads"))
+    if hf_config is not None:
+        text = hf_config.get_text_config()
+        for key, _names, _required in SHAPE_KEYS:
+            value = getattr(text, key, None)
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                c = {**c, key: value}
+    if shape_value(c, "num_hidden_layers") is None:
+        raise ConfigError(f"model.hf={path!r}: {CONFIG_FILE} has no 'num_hidden_layers'; fix config.json or "
+                          "save the model again with save_pretrained")
+    heads = int(shape_value(c, "num_attention_heads") or 1)
     model_vocab = int(c["vocab_size"])
     hidden = int(shape_value(c, "hidden_size"))
     if vocab_size and vocab_size > model_vocab:

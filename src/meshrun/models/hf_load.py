@@ -147,7 +147,8 @@ def _load_converted(parts: list[nn.Module], path: str) -> None:
             for name, tensor in get_model_state_dict(part).items():
                 key = to_hf_key(name, prefixes)
                 source = full.get(key)
-                if source is None and untie and name == "output.weight":
+                if name == "output.weight" and getattr(inner, "head_from_embedding", False):
+                    # the files hold no head: transformers (tie_word_embeddings=False) gave it random values
                     source = full[to_hf_key("tok_embeddings.weight", prefixes)]
                 local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
                 local.copy_(local_like(source, tensor).to_local() if hasattr(tensor, "to_local")

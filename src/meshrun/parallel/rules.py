@@ -150,6 +150,15 @@ def check_hf_tp(hf: str, sequence_parallel: bool, styles: dict[str, str], suppor
                           f"(supported: {', '.join(supported)}); {fix}")
 
 
+def check_hf_pp_order(hf: str, pp: int, unordered: tuple[str, ...]) -> None:
+    """A `model.hf` model under PP: the modules with parameters registered before its decoder layers
+    must be known to run before them (the first stage owns them), or the split would guess."""
+    if unordered:
+        raise ConfigError(f"parallel.pp={pp}: model.hf={hf!r} registers {', '.join(unordered)} before its decoder "
+                          "layers, and its forward does not run on the meta device to show whether they run before "
+                          "them; set parallel.pp=1 and shard with parallel.dp_shard (FSDP) instead")
+
+
 def check_precision(dtype: str, pp: int, param_dtype: str = "auto") -> None:
     """fp16 needs its gradient scaler: the pipeline schedule computes (and backpropagates) the
     loss itself, where no scaler multiplies it; and fp16 FSDP parameters need train.dtype fp16."""
