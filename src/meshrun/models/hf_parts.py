@@ -189,10 +189,9 @@ class _StageDone(Exception):  # noqa: N818 - control flow, never seen outside fo
         self.hidden = hidden
 
 
-class _Leave(nn.Module):
-    """The last decoder layer of a stage without the head: its hidden states are the stage's
-    output, whatever the model does after the layers (its final norm, parameter-free or shared
-    with the prologue as NanoChat's; the layers after this stage's)."""
+class _Around(nn.Module):
+    """A decoder layer in a stand-in's place: attributes the model's loop reads on its layers
+    (`attention_type`, `block_type`) are the layer's."""
 
     def __init__(self, layer: nn.Module):
         super().__init__()
@@ -203,6 +202,12 @@ class _Leave(nn.Module):
             return super().__getattr__(name)
         except AttributeError:
             return getattr(self._modules["layer"], name)
+
+
+class _Leave(_Around):
+    """The last decoder layer of a stage without the head: its hidden states are the stage's
+    output, whatever the model does after the layers (its final norm, parameter-free or shared
+    with the prologue as NanoChat's; the layers after this stage's)."""
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         result = self.layer(*args, **kwargs)
@@ -225,20 +230,13 @@ class _Stub(nn.Module):
         return torch.zeros((), device=x.device if isinstance(x, torch.Tensor) else None)
 
 
-class _Enter(nn.Module):
+class _Enter(_Around):
     """The first decoder layer of a stage that gets hidden states: the stage's input replaces the
     hidden states the model's own prologue made of it (position embeddings added, scaled...)."""
 
     def __init__(self, layer: nn.Module, hidden: torch.Tensor):
-        super().__init__()
-        self.layer = layer
+        super().__init__(layer)
         self.hidden = hidden
-
-    def __getattr__(self, name: str) -> Any:
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            return getattr(self._modules["layer"], name)
 
     def forward(self, hidden_states: Any, *args: Any, **kwargs: Any) -> Any:
         return self.layer(self.hidden, *args, **kwargs)
