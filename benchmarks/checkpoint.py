@@ -5,8 +5,13 @@
 
 1. Save throughput (MB/s): the full training state (model + AdamW moments) written with
    `dcp.save` from 2 ranks, vs rank 0's `torch.save` of the same state, in the same processes.
-2. Async save: time `dcp.async_save` blocks the training loop (staging to memory) as a fraction
-   of a synchronous `dcp.save`'s time. Target <= 0.2.
+2. Async save: what it costs the training loop, as a fraction of a synchronous `dcp.save`'s time,
+   two ways: the copy into staging memory made in the call (what meshrun's Checkpointer does), and
+   the copy made by DCP's background staging beside the next step's forward and backward, the
+   optimizer step waiting for it (cost: how much longer that step takes than one without a save).
+   Target <= 0.05. Measured here (2 ranks on 2 cores): 0.14 in the call, 0.25 beside the step: the
+   background copy competes with the step for the same cores, so the Checkpointer stages in the
+   call on CPU; beside the step is for accelerators, where the copy is a device-to-host transfer.
 3. Recovery: `meshrun train` on 2 processes with --max-restarts 1, one worker SIGKILLed; seconds
    from the kill to the first step the restarted workers complete (from the per-sample log).
 """
@@ -51,8 +56,16 @@ def _save_figures(dim: int, n_layers: int, repeats: int, workdir: str) -> dict:
     async_group = dist.new_group(backend="gloo")
     from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-    stager = DefaultStager(StagingOptions(False, False, False, False))  # reused, as meshrun's Checkpointer does
-    sync_s, nosync_s, torch_s, block_s = [], [], [], []
+    # reused across saves, as meshrun's Checkpointer keeps them: staging in the call (the old way,
+    # torchft mode) and staging in the background (exact mode)
+    stager = DefaultStager(StagingOptions(False, False, False, False))
+    overlapped = DefaultStager(StagingOptions(False, False, True, False))
+    tokens = torch.randint(0, 259, (2, 16))
+
+    def compute() -> None:  # the next step's forward and backward, which the background copy overlaps
+        model(tokens).float().sum().backward()
+
+    sync_s, nosync_s, torch_s, block_s, step_s, overlap_s = [], [], [], [], [], []
     for i in range(repeats):
         path = os.path.join(workdir, f"dcp-{i}")
         dist.barrier()
@@ -74,14 +87,28 @@ def _save_figures(dim: int, n_layers: int, repeats: int, workdir: str) -> dict:
         dist.barrier()
         t0 = time.perf_counter()
         future = dcp.async_save(state, checkpoint_id=os.path.join(workdir, f"async-{i}"), process_group=async_group,
-                                  async_stager=stager)
+                                async_stager=stager)
         block_s.append(time.perf_counter() - t0)  # the loop would continue from here
         getattr(future, "upload_completion", future).result()
         dist.barrier()
+        t0 = time.perf_counter()
+        compute()
+        step_s.append(time.perf_counter() - t0)  # the step without a save
+        dist.barrier()
+        t0 = time.perf_counter()
+        future = dcp.async_save(state, checkpoint_id=os.path.join(workdir, f"overlap-{i}"),
+                                process_group=async_group, async_stager=overlapped)
+        compute()
+        future.staging_completion.result()  # what meshrun's optimizer-step hook waits for
+        overlap_s.append(time.perf_counter() - t0)  # minus the step itself: what the save cost the loop
+        future.upload_completion.result()
+        dist.barrier()
+    overlapped.close()
     stager.close()
     return {"bytes": nbytes, "sync_s": statistics.median(sync_s), "nosync_s": statistics.median(nosync_s),
             "torch_s": statistics.median(torch_s),
-            "async_block_s": statistics.median(block_s)}
+            "async_block_s": statistics.median(block_s), "step_s": statistics.median(step_s),
+            "overlap_block_s": max(statistics.median(overlap_s) - statistics.median(step_s), 0.0)}
 
 
 def _tensors(obj):
@@ -162,8 +189,12 @@ def main() -> int:
         print(f"torch.save (rank 0)  {figures['torch_s']:.3f} s  {mb / figures['torch_s']:8.1f} MB/s  "
               f"(dcp/torch throughput ratio {figures['torch_s'] / figures['sync_s']:.2f})")
         fraction = figures["async_block_s"] / figures["sync_s"]
-        print(f"dcp.async_save blocks {figures['async_block_s']:.3f} s = {fraction:.2f} of a sync save "
-              f"(target <= 0.2: {'met' if fraction <= 0.2 else 'NOT met'})")
+        print(f"async save, staged in the call (meshrun's Checkpointer): blocks {figures['async_block_s']:.3f} s "
+              f"= {fraction:.3f} of a sync save (target <= 0.05: {'met' if fraction <= 0.05 else 'NOT met'})")
+        overlap = figures["overlap_block_s"] / figures["sync_s"]
+        print(f"async save, staged beside the next step (DCP's async staging): the step took "
+              f"{figures['overlap_block_s']:.3f} s longer than its {figures['step_s']:.3f} s "
+              f"= {overlap:.3f} of a sync save")
         rec = _recovery(workdir, args.timeout)
         print(f"recovery: SIGKILL of one worker after step {rec['killed_after_step']} -> step "
               f"{rec['resumed_step']} done by the restarted group in {rec['recovery_s']:.2f} s "
