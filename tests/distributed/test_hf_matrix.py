@@ -6,8 +6,8 @@ trains each under DDP, FSDP, TP 2 (tp = the world: norms stay plain beside DTens
 (1F1B) through meshrun's own path (build_hf_model on meta, the pre-launch `check_layout`,
 build_layout, load_hf_weights, meshrun's optimizer with the default fused AdamW, layout_step) for
 STEPS steps on one fixed global batch; one 4-rank launch trains one 2-D composition of each (FSDP 2 x
-TP 2, or HSDP 2 x 2 where TP is refused) and the layouts the Llama family always had (HSDP, FSDP x TP
-with loss parallel, PP x DDP, PP x FSDP with activation checkpointing). Against single-process
+TP 2, or HSDP 2 x 2 where TP is refused) and two more for the Llama family (FSDP x TP with loss
+parallel, PP with GPipe x FSDP with activation checkpointing). Against single-process
 transformers (AutoModelForCausalLM.from_pretrained, torch's AdamW), the loss every rank logs must
 match at every step within TOL; a layout the structure does not allow must be refused before launch
 in one line, and the fix it names must make the run start: for a tied head under PP,
@@ -58,11 +58,10 @@ LAYOUTS_2 = {
 }
 TWO_D = {"fsdp2_tp2": dict(strategy="fsdp", dp_shard=2, tp=2),
          "hsdp2x2": dict(strategy="fsdp", dp_replicate=2, dp_shard=2)}
-LLAMA_4 = {  # the layouts the Llama family was proven under before the matrix (4 ranks)
-    "hsdp2x2": TWO_D["hsdp2x2"],
+LLAMA_4 = {  # the compositions beyond the matrix the Llama family was proven under (4 ranks); HSDP is
+    # GPT-2's and OPT's 2-D column, PP x DDP is PP 2 x the DDP column
     "fsdp2_tp2_loss_parallel": dict(strategy="fsdp", dp_shard=2, tp=2, loss_parallel=True),
-    "pp2_gpipe_dp2": dict(strategy="ddp", pp=2, pp_schedule="gpipe"),
-    "pp2_1f1b_fsdp2_ac": dict(strategy="fsdp", dp_shard=2, pp=2, pp_schedule="1f1b", activation_checkpointing=True),
+    "pp2_gpipe_fsdp2_ac": dict(strategy="fsdp", dp_shard=2, pp=2, pp_schedule="gpipe", activation_checkpointing=True),
 }
 EXPORTED = ("fsdp", "tp2")
 
