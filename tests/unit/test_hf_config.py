@@ -96,3 +96,21 @@ def test_tensor_parallel_rules_of_an_hf_model_are_checked_before_launch(tmp_path
 def test_a_name_too_long_for_the_filesystem_is_one_line(tmp_path):
     with pytest.raises(ConfigError, match=r"model.hf='x{80}'\.\.\. is not a usable path \(File name too long\)"):
         _before_torch(tmp_path, "model.hf=" + "x" * 300)
+
+
+def test_an_encoder_decoder_is_refused_as_one_before_its_shape_is_read(tmp_path):
+    """Bart's config has no decoder-only shape keys: the refusal names what it is, not a missing key."""
+    pytest.importorskip("transformers")
+    from transformers import BartConfig, BartForConditionalGeneration
+
+    from meshrun.errors import ModelError
+    from meshrun.models.hf import build_hf_model
+    from meshrun.models.meta import on_meta
+
+    config = BartConfig(d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=4,
+                        decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, vocab_size=300,
+                        max_position_embeddings=64)
+    BartForConditionalGeneration(config).save_pretrained(tmp_path / "bart")
+    with pytest.raises(ModelError, match=r"model_type 'bart' is an encoder-decoder; meshrun trains decoder-only"):
+        with on_meta():
+            build_hf_model(str(tmp_path / "bart"))

@@ -85,11 +85,15 @@ def _hf_config(path: str) -> Any:
     except ImportError:
         raise ModelError(missing_extra_message("transformers", "model.hf")) from None
     try:
-        return AutoConfig.from_pretrained(path, local_files_only=True, trust_remote_code=False)
+        config = AutoConfig.from_pretrained(path, local_files_only=True, trust_remote_code=False)
     except (ValueError, KeyError, OSError) as exc:  # an unknown model_type, remote code, a bad file
         text = " ".join(str(exc).split())[:200]
         raise ModelError(f"model.hf={path!r}: transformers cannot read its config.json ({type(exc).__name__}: "
                          f"{text}); give a causal LM this transformers ships") from None
+    if getattr(config, "is_encoder_decoder", False):  # before its shape: an encoder-decoder has other keys
+        raise ModelError(f"model.hf={path!r}: model_type {config.model_type!r} is an encoder-decoder; meshrun "
+                         "trains decoder-only causal LMs")
+    return config
 
 
 class HFCausalLM(nn.Module):
@@ -119,9 +123,6 @@ class HFCausalLM(nn.Module):
             config.tie_word_embeddings = False
             args = dataclasses.replace(args, tie_embeddings=False)
         where = f"model.hf={path!r}"
-        if getattr(config, "is_encoder_decoder", False):
-            raise ModelError(f"{where}: model_type {config.model_type!r} is an encoder-decoder; meshrun trains "
-                             "decoder-only causal LMs")
         try:
             if torch.get_default_device().type == "meta":
                 # Parameters on meta, buffers real: the values non-persistent buffers get from
