@@ -269,12 +269,16 @@ def save_tiny(path, arch: str, *, seed: int = 0) -> Path:
     return path
 
 
-def reference_losses(path, tokens: torch.Tensor, steps: int, lr: float) -> list[float]:
+def reference_losses(path, tokens: torch.Tensor, steps: int, lr: float, *, untie: bool = False) -> list[float]:
     """Train the saved model in one process with plain transformers: AdamW(lr, weight_decay 0), next-token
-    cross-entropy of model(tokens[:, :-1]).logits against tokens[:, 1:]; returns the loss of each step."""
+    cross-entropy of model(tokens[:, :-1]).logits against tokens[:, 1:]; returns the loss of each step.
+    `untie`: the head made its own copy of the embedding first (what model.tie_embeddings=false does)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    if untie:
+        model.config.tie_word_embeddings = False
+        model.get_output_embeddings().weight = torch.nn.Parameter(model.get_input_embeddings().weight.detach().clone())
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     inputs, targets = tokens[:, :-1], tokens[:, 1:]

@@ -31,7 +31,6 @@ from pathlib import Path
 import hf_zoo
 import pytest
 import torch
-import torch.nn.functional as F
 
 from meshrun.errors import ConfigError
 from meshrun.testing import run_distributed
@@ -172,24 +171,8 @@ def _rank_all(dirs: dict[str, str], exports: str) -> dict[str, dict]:
 
 
 def _reference(hf_dir: str, *, untie: bool = False) -> list[float]:
-    """Single-process transformers, torch's AdamW; `untie`: the head made its own copy of the embedding."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
-    if untie:
-        model.config.tie_word_embeddings = False
-        model.get_output_embeddings().weight = torch.nn.Parameter(model.get_input_embeddings().weight.detach().clone())
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
-    tokens = _global_batch()
-    losses = []
-    for _ in range(STEPS):
-        logits = model(tokens[:, :-1]).logits
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
-    return losses
+    """Single-process transformers, torch's AdamW (hf_zoo.reference_losses) on the global batch."""
+    return hf_zoo.reference_losses(hf_dir, _global_batch(), STEPS, LR, untie=untie)
 
 
 @pytest.fixture(scope="module")

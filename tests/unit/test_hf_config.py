@@ -114,3 +114,25 @@ def test_an_encoder_decoder_is_refused_as_one_before_its_shape_is_read(tmp_path)
     with pytest.raises(ModelError, match=r"model_type 'bart' is an encoder-decoder; meshrun trains decoder-only"):
         with on_meta():
             build_hf_model(str(tmp_path / "bart"))
+
+
+def test_pipeline_is_refused_when_the_order_of_the_input_parts_cannot_be_seen(tmp_path, monkeypatch):
+    """GPT-2 registers wpe before its layers; which runs first is read from a forward on meta. When
+    that forward cannot run (here: made to fail), a pipeline split would guess, so PP is refused."""
+    pytest.importorskip("transformers")
+    import hf_zoo
+
+    from meshrun.models import hf_parts
+    from meshrun.models.hf import build_hf_model
+    from meshrun.models.meta import on_meta
+
+    path = str(hf_zoo.save_tiny(tmp_path / "gpt2", "gpt2"))
+    with on_meta():
+        assert build_hf_model(path).parts.input_parts == ("wpe",)  # seen running before the layers
+        monkeypatch.setattr(hf_parts, "_run_order", lambda *a: None)
+        model = build_hf_model(path)
+    assert model.parts.unordered == ("wpe",)
+    model.check_layout(tp=1, pp=1)  # nothing to guess without a split
+    with pytest.raises(ConfigError, match=r"parallel.pp=2: model.hf=.* registers wpe before its decoder layers.*"
+                                          r"set parallel.pp=1 and shard with parallel.dp_shard"):
+        model.check_layout(tp=1, pp=2)

@@ -68,8 +68,9 @@ def build_hf_model(path: str, vocab_size: int | None = None, *, seed: int | None
     becomes its own matrix, loaded as a copy of the embedding (model.tie_embeddings = false).
     """
     read_hf_config(path)  # the directory's own checks first, one line each
-    args = model_args_from_hf(path, vocab_size, _hf_config(path))  # the shape as transformers reads it; the vocabulary
-    model = HFCausalLM(path, args, untie=tie_embeddings is False and args.tie_embeddings)
+    config = _hf_config(path)
+    args = model_args_from_hf(path, vocab_size, config)  # the shape as transformers reads it; the vocabulary
+    model = HFCausalLM(path, args, untie=tie_embeddings is False and args.tie_embeddings, config=config)
     model.weights_pending = True  # materialise cheaply: the directory's weights come next
     if not any(p.is_meta for p in model.parameters()):
         from meshrun.models.hf_load import load_hf_weights
@@ -108,7 +109,7 @@ class HFCausalLM(nn.Module):
 
     compiles_whole = False  # transformers' top level is not checked to trace as one graph: per-layer graphs
 
-    def __init__(self, path: str, args: Any, *, untie: bool = False):
+    def __init__(self, path: str, args: Any, *, untie: bool = False, config: Any = None):
         super().__init__()
         try:
             from accelerate import init_empty_weights
@@ -116,7 +117,7 @@ class HFCausalLM(nn.Module):
         except ImportError as exc:
             raise ModelError(missing_extra_message(exc.name or "transformers", "model.hf")) from None
 
-        config = _hf_config(path)
+        config = config if config is not None else _hf_config(path)  # read once by build_hf_model
         if untie:
             import dataclasses
 
