@@ -38,14 +38,57 @@ print("finished")
 """
 
 
-def test_guide_ddp_example_trains_on_4_processes(tmp_path):
-    result = meshrun("launch", "--nproc-per-node", "4", str(EXAMPLES / "guide" / "train_ddp.py"),
-                     cwd=tmp_path, timeout=180)
+def _seeded_plain_script() -> str:
+    # The guide's model init is unseeded; seed it so the two launchers' runs are comparable.
+    source = (EXAMPLES / "guide" / "train_ddp_plain.py").read_text()
+    seeded = source.replace("    rank = dist.get_rank()\n", "    rank = dist.get_rank()\n    torch.manual_seed(0)\n")
+    assert seeded != source
+    return seeded
+
+
+@pytest.fixture(scope="module")
+def two_jobs(tmp_path_factory):
+    """Two `meshrun launch` jobs started together, each with its own TMPDIR: the guide's DDP example
+    on 4 processes ("guide4", in its own directory) and the seeded torchrun-style script on 2
+    ("plain", CKPT_PATH=meshrun.pth). Three tests read them: the 4-process example, the torchrun
+    comparison (meshrun's side) and the two jobs at once (one launch each, not three tests' worth)."""
+    root = tmp_path_factory.mktemp("two_jobs")
+    (root / "plain").mkdir()
+    (root / "plain" / "train_ddp_plain.py").write_text(_seeded_plain_script())
+    commands = {
+        "guide4": (["launch", "--nproc-per-node", "4", str(EXAMPLES / "guide" / "train_ddp.py")], {}),
+        "plain": (["launch", "--nproc-per-node", "2", str(root / "plain" / "train_ddp_plain.py")],
+                  {"CKPT_PATH": str(root / "plain" / "meshrun.pth")}),
+    }
+    results, errors = {}, {}
+
+    def job(name):
+        args, env = commands[name]
+        (root / name / "tmp").mkdir(parents=True)
+        try:
+            results[name] = meshrun(*args, cwd=root / name, timeout=180,
+                                    env={**env, "TMPDIR": str(root / name / "tmp")})
+        except BaseException as exc:  # run_proc's pytest.fail on a timeout: raised here, not lost in the thread
+            errors[name] = exc
+
+    threads = [threading.Thread(target=job, args=(n,)) for n in commands]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for exc in errors.values():
+        raise exc
+    return root, results
+
+
+def test_guide_ddp_example_trains_on_4_processes(two_jobs):
+    root, results = two_jobs
+    result = results["guide4"]
     assert result.returncode == 0, result.output
     epochs = re.findall(r"^\[rank 0\] epoch (\d) loss=([\d.]+) \(world_size=4, gloo\)$", result.stdout, re.M)
     assert [e for e, _ in epochs] == ["0", "1", "2"], result.output
     assert "[rank 1] epoch" not in result.stdout  # printing is rank 0's job
-    state = torch.load(tmp_path / "ckpt.pth", weights_only=True)
+    state = torch.load(root / "guide4" / "ckpt.pth", weights_only=True)
     assert set(state) == {"0.weight", "0.bias", "2.weight", "2.bias"}  # saved without the DDP wrapper
 
 
@@ -58,15 +101,11 @@ def test_guide_ddp_example_runs_as_one_process_under_plain_python(tmp_path):
     assert len(notices) == 1, result.stderr
 
 
-def test_plain_torchrun_script_runs_the_same_under_meshrun_and_torchrun(tmp_path):
-    # The guide's model init is unseeded; seed it so the two launchers' runs are comparable.
-    source = (EXAMPLES / "guide" / "train_ddp_plain.py").read_text()
-    seeded = source.replace("    rank = dist.get_rank()\n", "    rank = dist.get_rank()\n    torch.manual_seed(0)\n")
-    assert seeded != source
+def test_plain_torchrun_script_runs_the_same_under_meshrun_and_torchrun(two_jobs):
+    root, results = two_jobs
+    tmp_path = root / "plain"
     script = str(tmp_path / "train_ddp_plain.py")
-    (tmp_path / "train_ddp_plain.py").write_text(seeded)
-    ours = meshrun("launch", "--nproc-per-node", "2", script, cwd=tmp_path, timeout=180,
-                   env={"CKPT_PATH": str(tmp_path / "meshrun.pth")})
+    ours = results["plain"]  # meshrun launch --nproc-per-node 2 with CKPT_PATH=meshrun.pth (two_jobs)
     for _ in range(3):
         theirs = run_proc([str(BIN / "torchrun"), "--nproc-per-node", "2", script], cwd=tmp_path, timeout=180,
                           env={"CKPT_PATH": str(tmp_path / "torchrun.pth")})
@@ -126,24 +165,13 @@ def test_a_script_sees_main_as_under_torchrun_and_python(tmp_path):
     assert expected["path0"] == str((tmp_path / "sub").resolve())
 
 
-def test_two_jobs_started_together_both_succeed(tmp_path):
-    script = str(EXAMPLES / "guide" / "train_ddp.py")
-    results = {}
-
-    def job(name):
-        (tmp_path / name / "tmp").mkdir(parents=True)
-        results[name] = meshrun("launch", "--nproc-per-node", "2", script, "--epochs", "1",
-                                cwd=tmp_path / name, timeout=180, env={"TMPDIR": str(tmp_path / name / "tmp")})
-
-    threads = [threading.Thread(target=job, args=(n,)) for n in ("a", "b")]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+def test_two_jobs_started_together_both_succeed(two_jobs):
+    root, results = two_jobs  # the 4-process guide example and the 2-process torchrun-style script, at once
+    assert set(results) == {"guide4", "plain"}
     for name, result in results.items():
         assert result.returncode == 0, f"job {name}: {result.output}"
         # a clean run leaves no temp log directory behind (a failed one keeps it: the test below)
-        assert not list((tmp_path / name / "tmp").glob("meshrun-launch-*")), f"job {name}"
+        assert not list((root / name / "tmp").glob("meshrun-launch-*")), f"job {name}"
 
 
 def test_rank_raising_is_summarized_with_rank_type_message_and_site(write_script):
