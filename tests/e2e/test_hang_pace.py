@@ -56,12 +56,14 @@ def _worker_pid(run_dir: Path, rank: int) -> int:
     return [r["pid"] for r in rows if r["event"] == "worker_start" and r["rank"] == rank][-1]
 
 
-def _train(tmp_path: Path, *sets: str) -> tuple[subprocess.Popen, Path]:
+def _train(tmp_path: Path, *sets: str, preload: bool = False) -> tuple[subprocess.Popen, Path]:
+    """`meshrun train` on 2 processes; preload False: exec'd workers (MESHRUN_PRELOAD=0), else forked from the
+    preloaded server (the default; one `import torch` for the job, not one per worker)."""
     log = tmp_path / "train.log"
     cmd = [str(BIN / "meshrun"), "train", TINY, "--nproc-per-node", "2", "--set", "train.name=pace",
            "--set", f"train.run_dir={tmp_path}", "--set", "checkpoint.interval=0", *sum((["--set", s] for s in sets), [])]
     with open(log, "wb") as out:
-        proc = subprocess.Popen(cmd, cwd=tmp_path, env=child_env({"PYTHONPATH": str(tmp_path), "MESHRUN_PRELOAD": "0"}), stdout=out,
+        proc = subprocess.Popen(cmd, cwd=tmp_path, env=child_env({"PYTHONPATH": str(tmp_path), "MESHRUN_PRELOAD": None if preload else "0"}), stdout=out,
                                 stderr=subprocess.STDOUT, start_new_session=True)
     return proc, log
 
@@ -110,7 +112,7 @@ def test_a_slow_eval_never_fires_the_watchdog(tmp_path):
     # The eval at step 10 (20 batches) takes ~12 s, longer than the pace-based bound (10 s for these ~10 ms
     # steps, timed since step 1); the step-0 and final evals are quick.
     proc, log = _train(tmp_path, "model.factory=sloweval:build", "train.steps=20", "train.eval_interval=10",
-                       "train.eval_steps=20", "train.log_interval=5")
+                       "train.eval_steps=20", "train.log_interval=5", preload=True)
     try:
         code = proc.wait(timeout=200)
     except subprocess.TimeoutExpired:

@@ -28,7 +28,8 @@ DEADLINE_S = 240  # the whole run, killed by pid past this (150 s ran out once b
 
 
 def _sibling(pid: int) -> int:
-    """The other worker of `pid`'s group: the process with the same parent (its group's agent)."""
+    """The other worker of `pid`'s group: the process with the same parent (its group's forkserver, or its
+    agent where workers are exec'd: MESHRUN_PRELOAD=0)."""
     def ppid(p: int) -> int:
         return int(Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()[1])
 
@@ -51,8 +52,8 @@ def test_hsdp_group_heals_from_survivor(tmp_path):
            "--set", "fault.mode=torchft", "--set", "fault.group_size=2", "--set", "parallel.strategy=fsdp",
            "--set", "fault.heartbeat_timeout_ms=1000", "--set", "train.steps=5000", "--set", "train.eval_interval=0",
            "--set", "checkpoint.interval=0", "--set", "optim.warmup_steps=0", "--max-restarts", "1"]
-    with open(log, "wb") as out:  # workers exec'd, so /proc shows each group's agent as their parent
-        proc = subprocess.Popen(cmd, cwd=tmp_path, env=child_env({"MESHRUN_PRELOAD": "0"}), stdout=out,
+    with open(log, "wb") as out:  # workers forked from their group's preloaded server (one `import torch` a group)
+        proc = subprocess.Popen(cmd, cwd=tmp_path, env=child_env(), stdout=out,
                                 stderr=subprocess.STDOUT, start_new_session=True)
     deadline = time.monotonic() + DEADLINE_S
     try:
