@@ -137,6 +137,51 @@ def meshrun(*args: str, **kwargs) -> Result:
     return run_proc([str(BIN / "meshrun"), *args], **kwargs)
 
 
+_EACH = r"""
+import json, os, sys, traceback
+from meshrun.cli import main
+codes = []
+for argv, out, err in json.loads(sys.argv[1]):
+    sys.stdout.flush(); sys.stderr.flush()
+    saved = os.dup(1), os.dup(2)
+    with open(out, "w") as o, open(err, "w") as e:
+        os.dup2(o.fileno(), 1); os.dup2(e.fileno(), 2)
+        try:
+            code = main(argv)
+        except SystemExit as exc:
+            code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        except BaseException:
+            traceback.print_exc()
+            code = 1
+        finally:
+            sys.stdout.flush(); sys.stderr.flush()
+            os.dup2(saved[0], 1); os.dup2(saved[1], 2)
+    codes.append(code)
+print(json.dumps(codes))
+"""
+
+
+def meshrun_each(*commands: list[str], timeout: float = 120, cwd: Path | str | None = None,
+                 env: dict[str, str | None] | None = None) -> list[Result]:
+    """Several `meshrun` command lines, one after another in ONE process (meshrun.cli.main, what the
+    console script runs), each with its own stdout, stderr and exit code (an uncaught exception: its
+    traceback on that stderr, exit 1, as the console script would).
+
+    For commands that only check or read (refusals before launch, ckpt inspect/export, generate):
+    the interpreter start and `import torch` (~2 CPU-s) are paid once, not once per command. Not for
+    commands that launch workers: use meshrun() for those.
+    """
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="meshrun-each-") as tmp:
+        files = [[list(argv), f"{tmp}/{i}.out", f"{tmp}/{i}.err"] for i, argv in enumerate(commands)]
+        done = run_proc([sys.executable, "-c", _EACH, json.dumps(files)], timeout=timeout, cwd=cwd, env=env)
+        assert done.returncode == 0, f"meshrun_each: {done.output[-3000:]}"
+        codes = json.loads(done.stdout.strip().splitlines()[-1])
+        return [Result(code, Path(out).read_text(), Path(err).read_text())
+                for code, (_, out, err) in zip(codes, files, strict=True)]
+
+
 def train_tiny(tmp: Path, name: str, *args: str, timeout: float = 240,
                env: dict[str, str | None] | None = None) -> tuple[Result, Path]:
     """`meshrun train` on examples/configs/tiny.toml as run `name` under `tmp` (also the cwd).

@@ -13,7 +13,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from conftest import meshrun, train_tiny
+from conftest import TINY, meshrun_each, train_tiny
 
 from meshrun.checkpoint import manifest as mf
 
@@ -67,25 +67,32 @@ def _one_line(result, *expected: str) -> str:
     return lines[0]
 
 
+def _train_argv(tmp: Path, name: str, *args: str) -> list[str]:
+    """train_tiny's command line, for meshrun_each (cwd=tmp)."""
+    return ["train", TINY, "--set", f"train.name={name}", "--set", f"train.run_dir={tmp}", *args]
+
+
 def test_a_crafted_metadata_pickle_runs_nothing_in_any_command(saved, tmp_path):
-    marker = tmp_path / "MARKER"
+    marker, unvouched_marker = tmp_path / "MARKER", tmp_path / "MARKER-UNVOUCHED"
+    unvouched = _copy_run(saved, tmp_path, "unvouched") / "checkpoints" / "step-00000004"
+    _plant(unvouched, unvouched_marker, vouch=False)  # reported INVALID, must still not be unpickled
     run_dir = _copy_run(saved, tmp_path, "victim")
     ckpt = run_dir / "checkpoints" / "step-00000004"
-    _plant(ckpt, marker, vouch=False)  # reported INVALID, must still not be unpickled
-    result = meshrun("ckpt", "inspect", str(ckpt), timeout=60, cwd=tmp_path, env=ENV)
-    assert result.returncode == 1 and "valid       NO:" in result.stdout, result.output
-    assert not marker.exists(), "ckpt inspect of an INVALID checkpoint ran the payload"
     _plant(ckpt, marker, vouch=True)  # the manifest vouches for it: the unpickler is the only guard
-    result = meshrun("ckpt", "inspect", str(ckpt), timeout=60, cwd=tmp_path, env=ENV)
-    assert not marker.exists(), "ckpt inspect ran the payload"
-    assert result.returncode == 1 and "not allowed in DCP metadata" in result.stdout, result.output
-    result = meshrun("ckpt", "export", str(ckpt), str(tmp_path / "out.pt"), "--format", "torch", timeout=60,
-                     cwd=tmp_path, env=ENV)
-    assert not marker.exists(), "ckpt export ran the payload"
-    _one_line(result, "not allowed in DCP metadata")
-    result, _ = train_tiny(tmp_path, "other", *FOUR_LAYERS, "--resume", str(ckpt), timeout=120, env=ENV)
-    assert not marker.exists(), "train --resume PATH ran the payload"
-    _one_line(result, "not allowed in DCP metadata")
+    # The commands that only read or check, one after another in one process (torch imported once);
+    # neither marker may exist after any of them.
+    inspect_invalid, inspect, export, resume = meshrun_each(
+        ["ckpt", "inspect", str(unvouched)],
+        ["ckpt", "inspect", str(ckpt)],
+        ["ckpt", "export", str(ckpt), str(tmp_path / "out.pt"), "--format", "torch"],
+        _train_argv(tmp_path, "other", *FOUR_LAYERS, "--resume", str(ckpt)),
+        timeout=120, cwd=tmp_path, env=ENV)
+    assert not unvouched_marker.exists(), "ckpt inspect of an INVALID checkpoint ran the payload"
+    assert not marker.exists(), "ckpt inspect, ckpt export or train --resume PATH ran the payload"
+    assert inspect_invalid.returncode == 1 and "valid       NO:" in inspect_invalid.stdout, inspect_invalid.output
+    assert inspect.returncode == 1 and "not allowed in DCP metadata" in inspect.stdout, inspect.output
+    _one_line(export, "not allowed in DCP metadata")
+    _one_line(resume, "not allowed in DCP metadata")
     result, _ = train_tiny(tmp_path, "victim", *FOUR_LAYERS, timeout=120, env=ENV)  # auto-resume
     assert not marker.exists(), "auto-resume ran the payload"
     assert result.returncode == 2, result.output[-3000:]
@@ -107,20 +114,22 @@ def test_a_damaged_manifest_falls_back_to_the_previous_checkpoint(saved, tmp_pat
 def test_a_checkpoint_of_another_shape_exits_2_naming_the_tensors(saved, tmp_path):
     """The issue's case: a 2-layer model with tied embeddings and a 4-layer checkpoint (it exited 0)."""
     ckpt = saved / "checkpoints" / "step-00000004"
-    result, _ = train_tiny(tmp_path, "small", *TWO_LAYERS_TIED, "--resume", str(ckpt), timeout=120, env=ENV)
-    _one_line(result, "does not fit this model", "layers.2.", "not in this model")
+    exported = tmp_path / "four.pt"
+    # --resume PATH and model.init_from are refused before launch, and the export between them
+    # only reads: one process runs the three, in this order (torch imported once).
+    resume, export, init = meshrun_each(
+        _train_argv(tmp_path, "small", *TWO_LAYERS_TIED, "--resume", str(ckpt)),
+        ["ckpt", "export", str(ckpt), str(exported), "--format", "torch"],
+        _train_argv(tmp_path, "init", *TWO_LAYERS_TIED, "--set", f"model.init_from={exported}"),
+        timeout=120, cwd=tmp_path, env=ENV)
+    _one_line(resume, "does not fit this model", "layers.2.", "not in this model")
+    assert export.returncode == 0, export.output
+    assert init.returncode == 2, init.output[-3000:]
+    assert "does not fit this model" in init.output and "layers.2." in init.output
+    assert "Traceback" not in init.output
     _copy_run(saved, tmp_path, "shrunk")
     # auto-resume; --force: other settings than the run's config.toml are refused before launch otherwise
     result, _ = train_tiny(tmp_path, "shrunk", *TWO_LAYERS_TIED, "--force", timeout=120, env=ENV)
-    assert result.returncode == 2, result.output[-3000:]
-    assert "does not fit this model" in result.output and "layers.2." in result.output
-    assert "Traceback" not in result.output
-    exported = tmp_path / "four.pt"
-    result = meshrun("ckpt", "export", str(ckpt), str(exported), "--format", "torch", timeout=60, cwd=tmp_path,
-                     env=ENV)
-    assert result.returncode == 0, result.output
-    result, _ = train_tiny(tmp_path, "init", *TWO_LAYERS_TIED, "--set", f"model.init_from={exported}",
-                           timeout=120, env=ENV)
     assert result.returncode == 2, result.output[-3000:]
     assert "does not fit this model" in result.output and "layers.2." in result.output
     assert "Traceback" not in result.output
