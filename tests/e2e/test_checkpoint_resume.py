@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import BIN, TINY, child_env, meshrun
+from conftest import BIN, TINY, child_env, meshrun, meshrun_each, run_proc
 
 from meshrun.checkpoint.samples import effective_samples
 from meshrun.testing.processes import kill_tree, worker_pids
@@ -64,12 +64,20 @@ def _finish(proc: subprocess.Popen, timeout: float = 150) -> tuple[int, str]:
     return proc.returncode, out
 
 
+def _unnamed(tmp: Path) -> list[str]:
+    """The command line with no train.name: each new run gets a timestamped directory under `tmp`."""
+    return [str(BIN / "meshrun"), "train", TINY, "--set", f"train.run_dir={tmp}", *COMMON]
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> Path:
+    """The uninterrupted run, started as an unnamed one: the last test starts the same command again
+    beside it (a finished run is never continued: it starts a new one), so one run serves both."""
     tmp = tmp_path_factory.mktemp("ckpt")
-    result = meshrun(*_args(tmp, "ref"), timeout=150, cwd=tmp, env=ENV)
+    result = run_proc(_unnamed(tmp), timeout=150, cwd=tmp, env=ENV)
     assert result.returncode == 0, result.output
-    return tmp / "ref"
+    (run_dir,) = [p for p in tmp.iterdir() if p.is_dir()]
+    return run_dir
 
 
 def _sessions(run_dir: Path) -> list[list[dict]]:
@@ -146,41 +154,48 @@ def test_bad_resume_path_is_one_line_exit_2(reference, tmp_path):
     not_a_ckpt = tmp_path / "empty"
     not_a_ckpt.mkdir()
     other_shape = reference / "checkpoints" / f"step-{STEPS:08d}"
-    for args, expected in [
+    cases = [
         (["--resume", str(not_a_ckpt)], "not a meshrun checkpoint directory"),
         (["--resume", str(other_shape), "--set", "model.dim=32"], "does not fit this model"),
-    ]:
-        result = meshrun(*_args(tmp_path, "bad", *args), timeout=90, cwd=tmp_path, env=ENV)
+    ]  # both refused before launch: one process checks both (torch imported once)
+    results = meshrun_each(*[_args(tmp_path, "bad", *args) for args, _ in cases], timeout=90, cwd=tmp_path, env=ENV)
+    for (_, expected), result in zip(cases, results, strict=True):
         assert result.returncode == 2, result.output
         lines = [line for line in result.stderr.splitlines() if line.strip()]
         assert len(lines) == 1 and expected in lines[0], result.stderr
         assert "Traceback" not in result.output
 
 
-def test_unnamed_run_preempted_then_the_same_command_continues_it(reference, tmp_path):
-    """No train.name: the run gets a timestamped directory, and the re-run must find it again."""
-    argv = [str(BIN / "meshrun"), "train", TINY, "--set", f"train.run_dir={tmp_path}", *COMMON]
+def test_unnamed_run_preempted_then_the_same_command_continues_it(reference):
+    """No train.name: the run gets a timestamped directory, and the re-run must find it again.
+
+    `reference` is the same command's finished run: starting the command again starts a new run
+    beside it (no "continuing"), which is preempted, and the re-run continues that one, not a third."""
+    tmp = reference.parent
     env = child_env(ENV)
 
     def start() -> subprocess.Popen:
-        return subprocess.Popen(argv, cwd=tmp_path, env=env, text=True, stdout=subprocess.PIPE,
+        return subprocess.Popen(_unnamed(tmp), cwd=tmp, env=env, text=True, stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, start_new_session=True)
+
+    def new_runs() -> list[Path]:
+        return [p for p in tmp.iterdir() if p != reference and (p / "samples").is_dir()]
 
     proc = start()
     deadline = time.monotonic() + 120
-    while not [p for p in tmp_path.iterdir() if (p / "samples").is_dir()]:
-        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0][-3000:]
+    while not new_runs():
+        if proc.poll() is not None or time.monotonic() >= deadline:
+            kill_tree(proc.pid)
+            pytest.fail(f"no new run directory: {proc.communicate()[0][-3000:]}")
         time.sleep(0.05)
-    (run_dir,) = [p for p in tmp_path.iterdir() if (p / "samples").is_dir()]
+    (run_dir,) = new_runs()
     _wait_for(proc, run_dir, session=0, step=8)
     os.kill(proc.pid, signal.SIGTERM)
     code, out = _finish(proc)
     assert code == 0 and "checkpoint committed; re-run the same command" in out, out[-4000:]
+    assert "continuing" not in out, out[-4000:]  # the finished run was not continued: a new one started
     code, out = _finish(start())
     assert code == 0, out[-4000:]
     assert f"continuing the unfinished run {run_dir}" in out, out[-4000:]
-    assert [p for p in tmp_path.iterdir() if p.is_dir()] == [run_dir]  # no second run directory
+    assert sorted(p for p in tmp.iterdir() if p.is_dir()) == sorted([reference, run_dir])  # no third run directory
     _assert_same_run(run_dir, reference)
-    code, out = _finish(start())  # the run is finished now: the same command starts a new one
-    assert code == 0 and "continuing" not in out, out[-4000:]
-    assert len([p for p in tmp_path.iterdir() if p.is_dir()]) == 2
