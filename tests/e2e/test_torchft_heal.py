@@ -145,6 +145,13 @@ def _parent(pid: int) -> int:
     return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
 
 
+def _agent(worker: int) -> int:
+    """The worker's group agent (its `meshrun launch`): the parent of an exec'd worker; for one forked
+    from the preloaded server (named meshrun-worker, launch/preload.py), that server's parent."""
+    forked = Path(f"/proc/{worker}/comm").read_text().strip() == "meshrun-worker"
+    return _parent(_parent(worker)) if forked else _parent(worker)
+
+
 def test_a_group_back_after_the_others_finished_stops_instead_of_training_alone(tmp_path):
     """Group 1's worker is killed and its agent held (SIGSTOP) until group 0 has finished the run;
     the replacement then finds nobody to heal from. It must stop (exit 0, no final weights of its
@@ -157,8 +164,8 @@ def test_a_group_back_after_the_others_finished_stops_instead_of_training_alone(
            "--set", "fault.join_timeout_ms=60000",
            "--set", "train.eval_interval=0", "--set", "checkpoint.interval=0", "--set", "optim.warmup_steps=0",
            "--max-restarts", "1"]
-    with open(log, "wb") as out:  # exec'd workers: the agent is the worker's parent
-        proc = subprocess.Popen(cmd, cwd=tmp_path, env=child_env({"MESHRUN_PRELOAD": "0"}), stdout=out,
+    with open(log, "wb") as out:  # workers forked from their group's preloaded server, the agent's child
+        proc = subprocess.Popen(cmd, cwd=tmp_path, env=child_env(), stdout=out,
                                 stderr=subprocess.STDOUT, start_new_session=True)
     deadline = time.monotonic() + DEADLINE_S
     agent = None
@@ -171,7 +178,7 @@ def test_a_group_back_after_the_others_finished_stops_instead_of_training_alone(
         killed = not group0_done()
         if killed:
             [first] = _starts(records, 1)
-            agent = _parent(first["pid"])
+            agent = _agent(first["pid"])
             os.kill(agent, signal.SIGSTOP)
             os.kill(first["pid"], signal.SIGKILL)
             _wait("group 0's end", group0_done, proc, deadline, log)
