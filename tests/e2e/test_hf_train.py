@@ -18,7 +18,7 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import meshrun, metrics_records, save_tiny_hf
+from conftest import meshrun, meshrun_each, metrics_records, save_tiny_hf
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -74,16 +74,67 @@ def _reference_losses(run_dir, dp: int) -> list[float]:
 
 @pytest.fixture(scope="module")
 def hf_dirs(tmp_path_factory):
+    import hf_zoo
+
     root = tmp_path_factory.mktemp("hf")
-    return {family: save_tiny_hf(root / family, family) for family in ("llama", "qwen3")}
+    dirs = {family: save_tiny_hf(root / family, family) for family in ("llama", "qwen3")}
+    dirs["gpt2"] = hf_zoo.save_tiny(root / "gpt2", "gpt2")  # no base_model_tp_plan, a tied head
+    return dirs
 
 
-@pytest.mark.parametrize("family, nproc, sets", [
-    ("qwen3", 1, ()),
-    ("llama", 2, ("parallel.strategy=fsdp",)),
-], ids=["1proc_qwen3_tied", "fsdp2_llama"])
-def test_train_matches_transformers(tmp_path, hf_dirs, family, nproc, sets):
-    run_dir, dp = _train(tmp_path, "run", hf_dirs[family], nproc, *sets)
+# name: (family, nproc, --set items)
+RUNS = {
+    "1proc_qwen3_tied": ("qwen3", 1, ()),
+    "fsdp2_llama": ("llama", 2, ("parallel.strategy=fsdp",)),
+    "untied": ("gpt2", 2, ("parallel.pp=2", "model.tie_embeddings=false")),  # the fix of a refusal below
+}
+EXPORTED = ("fsdp2_llama", "untied")
+
+
+def _refusals(tmp, dirs) -> dict[str, list[str]]:
+    """The --set items of each `meshrun train` that must be refused before launch."""
+    llama, gpt2 = dirs["llama"], dirs["gpt2"]
+    return {
+        "missing": [f"model.hf={tmp / 'missing'}"],
+        "unknown": [f"model.hf={tmp / 'unknown'}", "data.seq_len=16"],  # a model_type transformers does not know
+        "factory": [f"model.hf={llama}", "model.factory=mymodel:build"],
+        "dim": [f"model.hf={llama}", "model.dim=64"],
+        "gpt2_tp2": [f"model.hf={gpt2}", "data.seq_len=16", "parallel.strategy=fsdp", "parallel.dp_replicate=1",
+                     "parallel.tp=2", "launch.nproc_per_node=2"],
+        "gpt2_pp2": [f"model.hf={gpt2}", "data.seq_len=16", "parallel.pp=2", "launch.nproc_per_node=2"],
+    }
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, hf_dirs) -> dict:
+    """Each run of RUNS trains once; then the CLI commands that only read or check run one after the
+    other in one process (torch and transformers imported once, not per command): `meshrun ckpt
+    export RUN --format hf OUT` of each EXPORTED run, and every refusal of _refusals.
+
+    {"trained": name -> (run_dir, dp), "exported": name -> (result, OUT), "refused": name -> result}.
+    """
+    tmp = tmp_path_factory.mktemp("hf_runs")
+    trained = {name: _train(tmp, name, hf_dirs[family], nproc, *sets) for name, (family, nproc, sets) in RUNS.items()}
+    unknown = tmp / "unknown"
+    unknown.mkdir()
+    config = json.loads((hf_dirs["llama"] / "config.json").read_text())
+    (unknown / "config.json").write_text(json.dumps({**config, "model_type": "no_such_arch"}))
+    (unknown / "model.safetensors").write_bytes((hf_dirs["llama"] / "model.safetensors").read_bytes())
+    outs = {name: tmp / f"{name}-hf-out" for name in EXPORTED}
+    refusals = _refusals(tmp, hf_dirs)
+    commands = [["ckpt", "export", str(trained[name][0]), "--format", "hf", str(outs[name])] for name in EXPORTED]
+    for sets in refusals.values():
+        commands.append(["train", "--set", f"train.run_dir={tmp}", *[arg for item in sets for arg in ("--set", item)]])
+    results = meshrun_each(*commands, timeout=180, cwd=tmp, env=ENV)
+    exported = {name: (result, outs[name]) for name, result in zip(EXPORTED, results, strict=False)}
+    return {"trained": trained, "exported": exported,
+            "refused": dict(zip(refusals, results[len(EXPORTED):], strict=True))}
+
+
+@pytest.mark.parametrize("name", ["1proc_qwen3_tied", "fsdp2_llama"])
+def test_train_matches_transformers(runs, name):
+    family, nproc, sets = RUNS[name]
+    run_dir, dp = runs["trained"][name]
     got = [row["loss"] for row in metrics_records(run_dir, "train")]
     ref = _reference_losses(run_dir, dp)
     assert len(got) == STEPS, got
@@ -93,10 +144,10 @@ def test_train_matches_transformers(tmp_path, hf_dirs, family, nproc, sets):
     assert ref[-1] < ref[0], f"the reference should learn: {ref}"
     assert (run_dir / "model.pt").is_file()
     if "parallel.strategy=fsdp" in sets:  # a sharded (FSDP 2) checkpoint goes back to Hugging Face
-        _export_matches_the_trained_model(tmp_path, run_dir)
+        _export_matches_the_trained_model(run_dir, *runs["exported"][name])
 
 
-def _export_matches_the_trained_model(tmp_path, run_dir):
+def _export_matches_the_trained_model(run_dir, result, out):
     """`meshrun ckpt export RUN --format hf OUT` (the run's last checkpoint, in this layout's shards):
     `from_pretrained(OUT)` offline gives the logits of the trained weights (model.pt in the original
     transformers model) within 1e-5."""
@@ -105,8 +156,6 @@ def _export_matches_the_trained_model(tmp_path, run_dir):
     from meshrun.config import load_config
     from meshrun.models.hf_keys import to_hf_key
 
-    out = tmp_path / "hf-out"
-    result = meshrun("ckpt", "export", str(run_dir), "--format", "hf", str(out), timeout=120, cwd=tmp_path, env=ENV)
     assert result.returncode == 0, result.output
     assert (out / "config.json").is_file() and (out / "model.safetensors.index.json").is_file()
     exported = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
@@ -120,49 +169,39 @@ def _export_matches_the_trained_model(tmp_path, run_dir):
     assert diff < 1e-5, f"exported logits differ from the trained model's by {diff:.2e}"
 
 
-def _refused(tmp_path, *sets: str) -> str:
-    args = ["train", "--set", f"train.run_dir={tmp_path}"]
-    for item in sets:
-        args += ["--set", item]
-    result = meshrun(*args, timeout=60, cwd=tmp_path, env=ENV)
+def _refused(runs, name: str) -> str:
+    """The one line of the refusal `name` (_refusals), which exited 2 before any worker started."""
+    result = runs["refused"][name]
     assert result.returncode == 2, result.output
     lines = [line for line in result.output.splitlines() if line.strip()]
     assert len(lines) == 1 and "Traceback" not in result.output, result.output
     return lines[0]
 
 
-def test_bad_model_hf_is_one_line_and_exit_2(tmp_path, hf_dirs):
-    assert "is not a directory" in _refused(tmp_path, f"model.hf={tmp_path / 'missing'}")
-    unknown = tmp_path / "unknown"  # a model_type this transformers does not know
-    unknown.mkdir()
-    config = json.loads((hf_dirs["llama"] / "config.json").read_text())
-    (unknown / "config.json").write_text(json.dumps({**config, "model_type": "no_such_arch"}))
-    (unknown / "model.safetensors").write_bytes((hf_dirs["llama"] / "model.safetensors").read_bytes())
-    line = _refused(tmp_path, f"model.hf={unknown}", "data.seq_len=16")
+def test_bad_model_hf_is_one_line_and_exit_2(runs):
+    assert "is not a directory" in _refused(runs, "missing")
+    line = _refused(runs, "unknown")
     assert "no_such_arch" in line and "transformers" in line, line
-    line = _refused(tmp_path, f"model.hf={hf_dirs['llama']}", "model.factory=mymodel:build")
+    line = _refused(runs, "factory")
     assert "model.factory" in line, line
-    line = _refused(tmp_path, f"model.hf={hf_dirs['llama']}", "model.dim=64")
+    line = _refused(runs, "dim")
     assert "model.dim=64" in line, line
 
 
-def test_refusals_name_a_fix_and_the_fix_runs(tmp_path):
+def test_refusals_name_a_fix_and_the_fix_runs(runs):
     """GPT-2 (no base_model_tp_plan, a tied head), through the CLI: TP 2 and PP 2 are each refused
-    before launch in one line naming the fix; PP 2 with the fix (model.tie_embeddings=false) trains,
-    and its export says tie_word_embeddings false and loads with from_pretrained, logits equal."""
-    import hf_zoo
+    before launch in one line naming the fix; PP 2 with the fix (model.tie_embeddings=false) trains
+    (the module's "untied" run), and its export says tie_word_embeddings false and loads with
+    from_pretrained, logits equal."""
     from transformers import AutoModelForCausalLM
 
-    gpt2 = hf_zoo.save_tiny(tmp_path / "gpt2", "gpt2")
-    line = _refused(tmp_path, f"model.hf={gpt2}", "data.seq_len=16", "parallel.strategy=fsdp", "parallel.dp_replicate=1",
-                    "parallel.tp=2", "launch.nproc_per_node=2")
+    line = _refused(runs, "gpt2_tp2")
     assert "parallel.tp=2" in line and "base_model_tp_plan" in line and "parallel.dp_shard" in line, line
-    line = _refused(tmp_path, f"model.hf={gpt2}", "data.seq_len=16", "parallel.pp=2", "launch.nproc_per_node=2")
+    line = _refused(runs, "gpt2_pp2")
     assert "parallel.pp=2" in line and "model.tie_embeddings=false" in line, line
-    run_dir, _ = _train(tmp_path, "untied", gpt2, 2, "parallel.pp=2", "model.tie_embeddings=false")
+    run_dir, _ = runs["trained"]["untied"]
+    result, out = runs["exported"]["untied"]
     assert len(metrics_records(run_dir, "train")) == STEPS
-    out = tmp_path / "hf-out"
-    result = meshrun("ckpt", "export", str(run_dir), "--format", "hf", str(out), timeout=120, cwd=tmp_path, env=ENV)
     assert result.returncode == 0, result.output
     assert json.loads((out / "config.json").read_text())["tie_word_embeddings"] is False
     exported = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
