@@ -10,6 +10,7 @@ a checkpoint) and writes the summary.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
@@ -76,19 +77,26 @@ def test_killed_group_heals_from_survivor_without_stopping_it(tmp_path):
            "--set", "fault.mode=torchft", "--set", "fault.heartbeat_timeout_ms=1000", "--set", "train.steps=5000",
            "--set", "metrics.interval=1", "--set", "train.eval_interval=0", "--set", "checkpoint.interval=0",
            "--set", "optim.warmup_steps=0", "--max-restarts", "1"]
-    with open(log, "wb") as out:
-        # Workers exec'd (not forked from the preloaded server): the replacement then takes seconds to
-        # come back, so the survivor must commit steps alone meanwhile (with forked workers it can be
-        # back before the survivor's next quorum, and there is nothing to see).
-        proc = subprocess.Popen(cmd, cwd=tmp_path, env=child_env({"MESHRUN_PRELOAD": "0"}), stdout=out,
-                                stderr=subprocess.STDOUT,
+    with open(log, "wb") as out:  # workers forked from their group's preloaded server
+        proc = subprocess.Popen(cmd, cwd=tmp_path, env=child_env(), stdout=out, stderr=subprocess.STDOUT,
                                 start_new_session=True)
     deadline = time.monotonic() + DEADLINE_S
+    agent = None
     try:
         _wait("3 steps of group 1", lambda: len(_rows(records, 1)) >= 3, proc, deadline, log)
         [first] = _starts(records, 1)
+        # Group 1's agent is held (SIGSTOP) from the kill until the survivor has committed a step alone: a
+        # forked replacement can be back before the survivor's next quorum, and there would be nothing to
+        # see (exec'd workers gave those seconds by importing torch again: ~11 s, 400+ steps alone, here).
+        agent = _agent(first["pid"])
+        os.kill(agent, signal.SIGSTOP)
         os.kill(first["pid"], signal.SIGKILL)
         killed_at = time.time()
+        _wait("a step the survivor commits alone",
+              lambda: [r for r in _rows(records, 0) if r["time"] > killed_at and r["participants"] == 1],
+              proc, deadline, log)
+        os.kill(agent, signal.SIGCONT)
+        agent = None
         _wait("the heal of group 1", lambda: _heals(records, killed_at), proc, deadline, log)
         # The replacement's rows after its heal (under load a stalled survivor's heartbeat can lapse and
         # let the replacement form a quorum alone and step from 0 first: its heal discards those rows).
@@ -98,6 +106,9 @@ def test_killed_group_heals_from_survivor_without_stopping_it(tmp_path):
         proc.send_signal(signal.SIGTERM)  # stop the job: both groups save and exit, the summary is written
         code = proc.wait(timeout=max(deadline - time.monotonic(), 1))
     finally:
+        if agent is not None:
+            with contextlib.suppress(ProcessLookupError):  # gone with the tree if a _wait failed
+                os.kill(agent, signal.SIGCONT)
         kill_tree(proc.pid)
     assert code == 128 + signal.SIGTERM, log.read_text()[-4000:]
 
