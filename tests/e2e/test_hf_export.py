@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import meshrun, train_tiny
+from conftest import meshrun_each, train_tiny
 
 transformers = pytest.importorskip("transformers")
 
@@ -69,14 +69,27 @@ def _check_export(run_dir: Path, out: Path, tied: bool) -> None:
     assert diff < 1e-5, f"{run_dir.name}: exported logits differ from the run's model by {diff}"
 
 
-def test_export_hf_of_fsdp2_checkpoint(runs, tmp_path: Path):
-    """Through the CLI: several shards, from_pretrained offline, logits equal; a taken OUT is refused."""
+@pytest.fixture(scope="module")
+def fsdp2_cli(runs, tmp_path_factory) -> dict:
+    """The CLI commands on the FSDP 2 run's last checkpoint, one after another in one process (torch
+    imported once): `ckpt export --format hf` into OUT, the same export again (OUT taken), and
+    `meshrun generate`."""
     ckpt = sorted((runs["fsdp2"] / "checkpoints").glob("step-*"))[-1]
-    out = tmp_path / "hf"
-    result = meshrun("ckpt", "export", str(ckpt), "--format", "hf", str(out), "--max-shard-size", "30KB", env=ENV)
+    out = tmp_path_factory.mktemp("hf_export_cli") / "hf"
+    export, again, generate = meshrun_each(
+        ["ckpt", "export", str(ckpt), "--format", "hf", str(out), "--max-shard-size", "30KB"],
+        ["ckpt", "export", str(ckpt), "--format", "hf", str(out)],
+        ["generate", str(ckpt), "--prompt", "Once ", "--max-new-tokens", "30", "--temperature", "1", "--seed", "7"],
+        env=ENV)
+    return {"out": out, "export": export, "again": again, "generate": generate}
+
+
+def test_export_hf_of_fsdp2_checkpoint(runs, fsdp2_cli):
+    """Through the CLI: several shards, from_pretrained offline, logits equal; a taken OUT is refused."""
+    result = fsdp2_cli["export"]
     assert result.returncode == 0, result.output[-3000:]
-    _check_export(runs["fsdp2"], out, tied=True)
-    again = meshrun("ckpt", "export", str(ckpt), "--format", "hf", str(out), env=ENV)
+    _check_export(runs["fsdp2"], fsdp2_cli["out"], tied=True)
+    again = fsdp2_cli["again"]
     assert again.returncode == 2 and "--force" in again.stderr and len(again.stderr.strip().splitlines()) == 1
 
 
@@ -90,14 +103,12 @@ def test_export_hf_of_tp2_checkpoint(runs, tmp_path: Path):
     _check_export(runs["tp2"], tmp_path / "hf", tied=False)
 
 
-def test_generate_on_the_fsdp2_run(runs):
+def test_generate_on_the_fsdp2_run(runs, fsdp2_cli):
     """`meshrun generate` on a trained run's sharded checkpoint prints the prompt and more; the same seed
     gives the same text in another process (here: this one, from the run's model.pt)."""
     from meshrun.trained.generate import Sampler, generate_text, load
 
-    ckpt = sorted((runs["fsdp2"] / "checkpoints").glob("step-*"))[-1]
-    result = meshrun("generate", str(ckpt), "--prompt", "Once ", "--max-new-tokens", "30", "--temperature", "1",
-                     "--seed", "7", env=ENV)
+    result = fsdp2_cli["generate"]
     assert result.returncode == 0, result.output[-3000:]
     assert result.stdout.startswith("Once ") and len(result.stdout) > len("Once \n")
     here = generate_text(load(runs["fsdp2"]), "Once ", Sampler(max_new_tokens=30, temperature=1.0, seed=7))
