@@ -47,7 +47,9 @@ def _group_logs(tmp_path: Path) -> str:
     """Group 1's `meshrun launch` output and its workers' logs: what the launcher's log never shows."""
     found = sorted((tmp_path / "ft" / "torchft").glob("launch-g*.out"))
     found += sorted(p for p in (tmp_path / "ft" / "logs").rglob("*") if p.is_file() and p.stat().st_size)
-    return "".join(f"\n--- {p.relative_to(tmp_path)}:\n{p.read_text(errors='replace')[-3000:]}" for p in found)
+    events = ledger.read_events(tmp_path / "ft" / "torchft")[-40:]  # starts, heals (which group's), ends
+    return "".join(f"\n--- {p.relative_to(tmp_path)}:\n{p.read_text(errors='replace')[-3000:]}" for p in found) + \
+        "\n--- torchft events (the last 40):\n" + "\n".join(json.dumps(e) for e in events)
 
 
 def _rows(records: Path, group: int) -> list[dict]:
