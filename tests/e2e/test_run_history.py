@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import BIN, TINY, child_env, meshrun, metrics_records, train_tiny
+from conftest import BIN, TINY, child_env, meshrun, meshrun_each, metrics_records, train_tiny
 
 from meshrun.rundir.lock import LOCK_FILE
 from meshrun.testing.processes import descendants, kill_tree
@@ -98,11 +98,12 @@ def test_a_finished_run_is_never_trained_again(finished):
 def test_rollback_and_resume_beyond_the_end_need_force(finished):
     before = _snapshot(finished)
     ckpts = finished / "checkpoints"
-    rollback, _ = train_tiny(finished.parent, "a", *ARGS, "--resume", str(ckpts / "step-00000004"),
-                             timeout=90, env=ENV)
+    # both refused before launch: one process checks both, one after the other (torch imported once)
+    argv = ["train", TINY, "--set", "train.name=a", "--set", f"train.run_dir={finished.parent}", *ARGS]
+    rollback, beyond = meshrun_each([*argv, "--resume", str(ckpts / "step-00000004")],
+                                    [*argv, "--set", "train.steps=10"], timeout=90, cwd=finished.parent, env=ENV)
     _one_line_exit_2(rollback, f"rolls {finished} back to step 4", "step-00000012, step-00000008 would be set "
                      "aside", "add --force")
-    beyond, _ = train_tiny(finished.parent, "a", *ARGS, "--set", "train.steps=10", timeout=90, env=ENV)
     _one_line_exit_2(beyond, "step-00000012 is beyond train.steps=10", "roll back to step-00000008",
                      "add --force")
     assert _snapshot(finished) == before  # config.toml, metrics.jsonl, checkpoints, model.pt
