@@ -56,6 +56,14 @@ def _rows(records: Path, group: int) -> list[dict]:
     return [r for r in ledger.read_ledgers(records) if r["group"] == group] if records.exists() else []
 
 
+def _joint(records: Path, group: int) -> list[dict]:
+    """`group`'s steps committed in a quorum of both groups. The kill waits for these, not for any steps:
+    the group that starts first forms a quorum alone (the lighthouse waits only for groups it has heard
+    from) and steps from 0; killed then, before the other has a step, its replacement is as far as the
+    other (step 0: no heal at all) or ahead of it (the other heals from it), and no heal of it comes."""
+    return [r for r in _rows(records, group) if r["participants"] == 2]
+
+
 def _heals(records: Path, since: float) -> list[dict]:
     """Heals after `since` (a group that starts late heals once at the start too: not this test's)."""
     return [e for e in ledger.read_events(records) if e["event"] == "heal" and e["time"] > since]
@@ -85,7 +93,7 @@ def test_killed_group_heals_from_survivor_without_stopping_it(tmp_path):
     deadline = time.monotonic() + DEADLINE_S
     agent = None
     try:
-        _wait("3 steps of group 1", lambda: len(_rows(records, 1)) >= 3, proc, deadline, log)
+        _wait("3 steps of group 1 with group 0", lambda: len(_joint(records, 1)) >= 3, proc, deadline, log)
         [first] = _starts(records, 1)
         # Group 1's agent is held (SIGSTOP) from the kill until the survivor has committed a step alone: a
         # forked replacement can be back before the survivor's next quorum, and there would be nothing to

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 from conftest import BIN, TINY, child_env
-from test_torchft_heal import _heals, _last_heal, _rows, _starts, _wait
+from test_torchft_heal import _heals, _joint, _last_heal, _rows, _starts, _wait
 
 from meshrun.testing.processes import kill_tree
 
@@ -57,7 +57,7 @@ def test_hsdp_group_heals_from_survivor(tmp_path):
                                 stderr=subprocess.STDOUT, start_new_session=True)
     deadline = time.monotonic() + DEADLINE_S
     try:
-        _wait("3 steps of group 1", lambda: len(_rows(records, 1)) >= 3, proc, deadline, log)
+        _wait("3 steps of group 1 with group 0", lambda: len(_joint(records, 1)) >= 3, proc, deadline, log)
         [first] = _starts(records, 1)
         victim = _sibling(first["pid"])
         os.kill(victim, signal.SIGKILL)
