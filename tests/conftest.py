@@ -7,10 +7,15 @@ once, rather than a copy in each file.
 
 from __future__ import annotations
 
+import atexit
+import itertools
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -120,8 +125,14 @@ class Result:
 
 def run_proc(cmd: list[str], *, timeout: float = 120, cwd: Path | str | None = None,
              env: dict[str, str | None] | None = None) -> Result:
-    """Run cmd in its own session; on timeout kill the whole group (by id) and fail the test."""
-    proc = subprocess.Popen(cmd, cwd=cwd, env=child_env(env), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    """Run cmd in its own session; on timeout kill the whole group (by id) and fail the test.
+    A `meshrun` command line runs forked from this process's warm server (warm_cli.py) where its
+    environment allows, else (and with MESHRUN_TEST_WARM=0) as a new process."""
+    full_env = child_env(env)
+    warm = _warm_server(full_env) if cmd and cmd[0] == str(BIN / "meshrun") else None
+    if warm is not None:
+        return _run_warm(warm, cmd, timeout, cwd, full_env)
+    proc = subprocess.Popen(cmd, cwd=cwd, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True)
     try:
         out, err = proc.communicate(timeout=timeout)
@@ -130,6 +141,65 @@ def run_proc(cmd: list[str], *, timeout: float = 120, cwd: Path | str | None = N
         out, err = proc.communicate()
         pytest.fail(f"{cmd} did not finish within {timeout}s\nstdout:\n{out}\nstderr:\n{err}")
     return Result(proc.returncode, out, err)
+
+
+_WARM: dict[str, object] = {}
+_WARM_LOCK = threading.Lock()
+
+
+def _warm_server(env: dict[str, str]):
+    """This process's warm server (started at the first call), or None where the command must start
+    a new interpreter: MESHRUN_TEST_WARM=0, or an environment that could change an import's outcome."""
+    if env.get("MESHRUN_TEST_WARM", "1") == "0":
+        return None
+    from warm_cli import import_sensitive_change
+
+    with _WARM_LOCK:
+        server = _start_warm()
+        if import_sensitive_change(server.env, env):
+            return None
+        server.wait_ready()
+    return server
+
+
+def _start_warm():
+    from warm_cli import WarmServer
+
+    if "server" not in _WARM:
+        workdir = Path(tempfile.mkdtemp(prefix="meshrun-warm-"))
+        _WARM.update(server=WarmServer(child_env(), workdir), workdir=workdir, count=itertools.count())
+        atexit.register(_stop_warm)
+    return _WARM["server"]
+
+
+def pytest_collection_finish(session) -> None:
+    """A session that runs end-to-end or docs tests starts the warm server now, in the background
+    (its imports overlap collection), so that no test's own clock counts its start."""
+    if os.environ.get("MESHRUN_TEST_WARM", "1") != "0" and any(
+            Path(str(item.fspath)).parent.name in ("e2e", "docs") for item in session.items):
+        with _WARM_LOCK:
+            _start_warm()
+
+
+def _stop_warm() -> None:
+    server = _WARM.pop("server", None)
+    if server is not None:
+        server.stop()
+        shutil.rmtree(_WARM["workdir"], ignore_errors=True)
+
+
+def _run_warm(server, cmd: list[str], timeout: float, cwd: Path | str | None, env: dict[str, str]) -> Result:
+    n = next(_WARM["count"])
+    out, err = _WARM["workdir"] / f"{n}.out", _WARM["workdir"] / f"{n}.err"
+    code, pid = server.run(list(cmd), env, str(cwd or os.getcwd()), str(out), str(err), timeout)
+    if code is None:
+        kill_tree(pid)
+    texts = [p.read_text(encoding="utf-8", errors="replace") if p.exists() else "" for p in (out, err)]
+    for p in (out, err):
+        p.unlink(missing_ok=True)
+    if code is None:
+        pytest.fail(f"{cmd} did not finish within {timeout}s\nstdout:\n{texts[0]}\nstderr:\n{texts[1]}")
+    return Result(code, *texts)
 
 
 def meshrun(*args: str, **kwargs) -> Result:

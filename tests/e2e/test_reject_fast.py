@@ -17,6 +17,12 @@ from conftest import child_env, meshrun
 FAST_S = 5.0
 
 
+@pytest.fixture(autouse=True)
+def _new_interpreters(monkeypatch):
+    """The 5 s include the interpreter's start, as a user's shell has it: no warm server (conftest)."""
+    monkeypatch.setenv("MESHRUN_TEST_WARM", "0")
+
+
 def _refused(result, started: float, *needles: str) -> str:
     took = time.monotonic() - started
     lines = result.stderr.strip().splitlines()
