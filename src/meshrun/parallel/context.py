@@ -103,6 +103,10 @@ class _RingAttention(torch.autograd.Function):
             out, lse = ring._templated_ring_attention(
                 group, SEQ_DIM, torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
                 query, key, value, is_causal=True, dropout_p=0.0, scale=scale)[:2]
+        # (batch, seq, heads, head_dim) in memory, as the CPU flash kernel lays out its own output:
+        # the caller's transpose(1, 2).reshape is then a view, and `wo` saves this same storage
+        # instead of a copy (one h-wide activation per token and block less).
+        out = out.transpose(1, 2).contiguous().transpose(1, 2)
         ctx.save_for_backward(query, key, value, out, lse)
         ctx.group, ctx.scale = group, scale
         return out
