@@ -17,7 +17,8 @@ One interface, two backends:
   shards the batch and the positions head-tail in place, replaces
   `F.scaled_dot_product_attention` inside the context and runs the flash, efficient or cuDNN
   kernel as a ring through DTensor.
-- CPU: that API fails on torch 2.13 (no sharding strategy for the CPU flash kernel, FIELD-NOTES).
+- CPU: that API fails on torch 2.13 (`aten._scaled_dot_product_flash_attention_for_cpu` has no
+  sharding strategy registered, and the handler maps only the CUDA kernels).
   Here torch's ring functions (`_templated_ring_attention` and its backward) run around
   `aten._scaled_dot_product_flash_attention_for_cpu` and its backward in an `autograd.Function`;
   the split is the same head-tail order (`head_tail_indices`), and F.scaled_dot_product_attention
