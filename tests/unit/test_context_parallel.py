@@ -59,6 +59,13 @@ def test_rope_follows_the_positions_given():
         model(tokens[:, :2], positions=torch.tensor([3, 32]))
 
 
+def test_a_model_without_positions_is_refused_in_one_line():
+    context.check_model(Transformer(ARGS, seed=0), 2)
+    with pytest.raises(ModelError) as info:
+        context.check_model(torch.nn.Linear(2, 2), 2)
+    assert "Linear.forward takes no positions= argument" in str(info.value) and "\n" not in str(info.value)
+
+
 def test_the_cpu_ring_refuses_what_it_does_not_compute():
     sdpa = context._cpu_sdpa(group=None)
     q = torch.zeros(1, 1, 4, 2)

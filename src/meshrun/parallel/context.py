@@ -147,6 +147,22 @@ def _cpu_sdpa(group):
     return sdpa
 
 
+def check_model(model: torch.nn.Module, cp: int) -> None:
+    """A model split by sequence must take the positions of its tokens (`forward(tokens, positions=)`,
+    as the built-in Transformer does): without them its RoPE would count from 0 on every rank."""
+    import inspect
+
+    forward = getattr(model, "forward", None)
+    try:
+        takes = forward is not None and "positions" in inspect.signature(forward).parameters
+    except (TypeError, ValueError):
+        takes = False
+    if not takes:
+        raise ModelError(f"parallel.cp={cp} splits each sequence, but {type(model).__name__}.forward takes no "
+                         "positions= argument for its tokens' places in the sequence (the built-in model "
+                         "does); set parallel.cp=1")
+
+
 class ContextParallel:
     """This rank's place on the 1-D cp mesh: splits batches along the sequence, runs attention as a ring."""
 

@@ -25,6 +25,7 @@ from torch import nn
 
 from meshrun.parallel.compile import apply_compile, layout_allows
 from meshrun.parallel.context import ContextParallel
+from meshrun.parallel.context import check_model as check_cp_model
 from meshrun.parallel.dims import ParallelDims
 from meshrun.parallel.parallelize import (
     _has_dtensors,
@@ -170,6 +171,8 @@ def build_layout(model: nn.Module, layout: ResolvedLayout, *, device: torch.devi
         return BuiltLayout([wrapped], dp_rank=dist.get_rank() if world_size > 1 else 0, dp_size=world_size,
                            device=device, world_size=world_size, compiled=compiled)
     dims = layout.dims
+    if dims.cp_enabled:  # before any process group is split: a model that cannot be split says so
+        check_cp_model(unwrap_model(model), dims.cp)
     mesh = dims.build_mesh(device.type)
     kwargs = dict(
         param_dtype=torch_dtype(layout.param_dtype),
