@@ -75,6 +75,7 @@ LAYOUTS = {
     "pp4_1f1b": dict(pp=4, schedule="1f1b"),
     # Context parallel (seq 16 in 2 x cp chunks, head-tail), sharded with FSDP over dp_shard x cp.
     "cp2_fsdp2": dict(cp=2, dp_shard=2, steps=CP_STEPS),
+    "cp2_hsdp2": dict(cp=2, dp_replicate=2, steps=CP_STEPS),  # HSDP over (dp_replicate, dp_shard_cp)
     "cp4": dict(cp=4, steps=CP_STEPS),
     "cp2_tp2": dict(cp=2, tp=2, steps=CP_STEPS),
     # Mixed precision: bf16 compute, fp32 gradient reduction; tracks fp32 within BF16_TOL.

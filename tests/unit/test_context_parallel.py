@@ -127,5 +127,6 @@ def test_plan_counts_a_cp_ranks_tokens_and_shards_over_dp_shard_x_cp():
     found = {d.degrees["cp"] for d in layouts(ARGS, 4, seq_len=32)}
     assert found == {1, 2, 4} and {d.degrees["cp"] for d in layouts(ARGS, 4)} == {1}
     assert all(d.cp == 1 for d in layouts(ARGS, 4, seq_len=6))  # 6 does not split into 4 or 8 chunks
+    assert any(d.cp == 2 and d.dp_replicate == 2 for d in layouts(ARGS, 4, seq_len=32))  # HSDP x cp
     plan = candidates(ARGS, world_size=4, batch_size=4, seq_len=32, context_parallel=True)
     assert any(e.dims.cp == 4 for e in plan.ranked) and plan.recommended.dims.cp == 1  # cp ranks as model parallelism

@@ -138,8 +138,6 @@ RULES = [
     (dict(cp=2), 4, "parallel.cp=2 shards the parameters over the data and context ranks together (FSDP over "
      "dp_shard x cp), which parallel.strategy = 'ddp' does not do; set parallel.strategy = 'fsdp'"),
     (dict(strategy="fsdp", cp=2, pp=2), 4, "parallel.cp=2 does not compose with parallel.pp=2 (pipeline stages"),
-    (dict(strategy="fsdp", cp=2, dp_replicate=2), 4,
-     "parallel.cp=2 with parallel.dp_replicate=2 (HSDP) is not offered yet; shard instead"),
     (dict(strategy="fsdp", cp=2, seq_len=10), 4,
      "data.seq_len=10 must divide into 2 x parallel.cp = 4 equal chunks (head-tail load balancing gives each "
      "cp rank two); e.g. data.seq_len=8 or 12"),
@@ -176,7 +174,7 @@ RULES = [
      "parallel.pp_microbatches=5 must be a multiple of parallel.pp=2 (or at most 2) for 'interleaved_1f1b'"),
 ]
 
-OPTION_RULES = 24
+OPTION_RULES = 23
 
 
 @pytest.mark.parametrize(("kwargs", "world", "expected"), RULES, ids=[r[2][:50] for r in RULES])
@@ -245,7 +243,6 @@ MESSAGES = [
     "must be a multiple of parallel.pp=",
     "ranks together (FSDP over dp_shard x cp)",
     "(pipeline stages pass no ",
-    "(HSDP) is not offered yet",
     "(head-tail load balancing gives each",
     "splits the sequence of the built-in model only",
     "(the ring attention runs eagerly)",

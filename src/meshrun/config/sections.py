@@ -304,8 +304,7 @@ class JobConfig:
         if shards_parameters(self.parallel.strategy, ParallelOptions.from_sections(self.parallel).degrees):
             check_optimizer_shards(self.optim.name, self.optim.implementation)
         degrees = stated_degrees(ParallelOptions.from_sections(self.parallel))
-        check_context_parallel(degrees["cp"], pp=degrees["pp"], dp_replicate=degrees["dp_replicate"],
-                               seq_len=data.seq_len)
+        check_context_parallel(degrees["cp"], pp=degrees["pp"], seq_len=data.seq_len)
         check_cp_model(degrees["cp"], hf=model.hf, factory=model.factory)
         if model.max_seq_len and data.seq_len > model.max_seq_len:
             raise ConfigError(

@@ -26,6 +26,7 @@ See https://docs.pytorch.org/tutorials/recipes/distributed_device_mesh.html
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING
 
@@ -167,11 +168,17 @@ class ParallelDims:
 
     def fsdp_mesh(self, mesh: DeviceMesh) -> DeviceMesh:
         """The mesh fully_shard gets: 2-D (dp_replicate, dp_shard) for HSDP, else 1-D dp_shard;
-        with cp > 1 the flattened 1-D "dp_shard_cp" (HSDP with cp is refused by
-        `rules.check_context_parallel`). Idempotent, like `dp_mesh`."""
+        with cp > 1, "dp_shard_cp" (dp_shard x cp flattened) in place of dp_shard, as torchtitan
+        does. Idempotent, like `dp_mesh`."""
         if self.cp_enabled:
-            assert not self.dp_replicate_enabled, "rules.check_context_parallel refuses HSDP with cp"
-            return mesh["dp_shard", "cp"]._flatten(mesh_dim_name="dp_shard_cp")
+            flat = mesh["dp_shard", "cp"]._flatten(mesh_dim_name="dp_shard_cp")
+            if not self.dp_replicate_enabled:
+                return flat
+            with warnings.catch_warnings():
+                # torch 2.13 warns that slicing a flattened axis from the root will go; no public
+                # call pairs a root axis with a flattened one yet (torchtitan slices it too).
+                warnings.filterwarnings("ignore", message="Slicing a flattened dim from root mesh")
+                return mesh["dp_replicate", "dp_shard_cp"]
         if self.dp_replicate_enabled:
             return mesh["dp_replicate", "dp_shard"]
         return mesh["dp_shard"]

@@ -136,19 +136,16 @@ def check_tp_features(tp: int, pp: int, sequence_parallel: bool, loss_parallel: 
                           f"stages send plain tensors); turn {'it' if one else 'them'} off or set parallel.pp=1")
 
 
-def check_context_parallel(cp: int, *, pp: int = 1, dp_replicate: int = 1, seq_len: int = 0) -> None:
+def check_context_parallel(cp: int, *, pp: int = 1, seq_len: int = 0) -> None:
     """Context parallel splits each sequence over the cp ranks, two chunks each (head-tail load
     balancing: chunk r and chunk 2*cp-1-r of 2*cp, so every rank holds as much of the causal mask).
-    The pipeline's stages take no token positions, and the HSDP mesh with a cp axis is not built.
-    A degree of -1 is not known yet; seq_len 0 = not known here."""
+    The pipeline's stages take no token positions. A degree of -1 is not known yet; seq_len 0 =
+    not known here."""
     if cp <= 1:
         return
     if pp > 1:
         raise ConfigError(f"parallel.cp={cp} does not compose with parallel.pp={pp} (pipeline stages pass no "
                           "token positions between them); set parallel.pp=1 or parallel.cp=1")
-    if dp_replicate > 1:
-        raise ConfigError(f"parallel.cp={cp} with parallel.dp_replicate={dp_replicate} (HSDP) is not offered yet; "
-                          "shard instead (parallel.dp_replicate=1, parallel.dp_shard=-1) or set parallel.cp=1")
     if seq_len and seq_len % (2 * cp):
         step = 2 * cp
         near = sorted({max(step, seq_len - seq_len % step), seq_len - seq_len % step + step})
