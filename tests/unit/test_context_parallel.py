@@ -4,6 +4,8 @@ tests/distributed/test_context_parallel.py and tests/e2e/test_parallel_matrix.py
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -74,6 +76,31 @@ def test_the_cpu_ring_refuses_what_it_does_not_compute():
         with pytest.raises(ModelError, match="causal attention only") as info:
             sdpa(q, q, q, **kwargs)
         assert "\n" not in str(info.value)
+
+
+def test_on_an_accelerator_the_step_is_torchs_public_context_parallel(monkeypatch):
+    """No GPU here: the wiring only. torch's context manager gets the batch, the targets and the
+    positions (sequence dims 1, 1, 0) as copies it may shard in place, and yields them back."""
+    from types import SimpleNamespace
+
+    import torch.distributed.tensor.experimental as experimental
+
+    calls = []
+
+    @contextlib.contextmanager
+    def fake(mesh, *, buffers, buffer_seq_dims, no_restore_buffers):
+        calls.append((mesh, buffers, buffer_seq_dims, no_restore_buffers))
+        yield
+
+    monkeypatch.setattr(experimental, "context_parallel", fake)
+    mesh = SimpleNamespace(device_type="cuda", size=lambda: 2, get_local_rank=lambda: 1)
+    cp = context.ContextParallel(mesh)
+    inputs, targets = torch.arange(8).view(1, 8), torch.arange(1, 9).view(1, 8)
+    with cp.step(inputs, targets) as (i, t, positions):
+        assert torch.equal(i, inputs) and i is not inputs and torch.equal(t, targets)
+        assert positions.tolist() == list(range(8))
+    (got_mesh, buffers, dims, no_restore), = calls
+    assert got_mesh is mesh and dims == [1, 1, 0] and all(any(b is n for n in no_restore) for b in buffers)
 
 
 @pytest.mark.parametrize(("overrides", "expected"), [
