@@ -6,7 +6,8 @@ train_step_pp, the trainer's loss averaging, evaluate / evaluate_pp): a tiny Tra
 4 blocks, 4 heads, vocab 64, seq 16), fp32, AdamW, 6 steps on one fixed global batch of 8
 sequences, gradient clipping that really clips. Against a single-process run of the same code,
 the loss every rank logs must match at every step within 1e-4 (measured: at most 7.2e-7), and the
-clipped grad norm and the eval loss too. Per layout each rank also reports the local bytes of
+clipped grad norm and the eval loss too; the context-parallel layouts (the sequence split over
+cp ranks, attention as torch's ring) train CP_STEPS steps against a reference as long. Per layout each rank also reports the local bytes of
 its parameters, gradients and AdamW state (DTensor shards counted by `to_local()`) and the peak
 bytes autograd held saved for backward in the last step (`SavedActivations`), which the memory and
 planner checks use. Then `meshrun train` runs pp=2 end to end through the CLI.
@@ -26,6 +27,7 @@ from conftest import EXAMPLES, meshrun
 from torch.distributed.tensor.parallel import loss_parallel
 
 from meshrun.models.llama import ModelArgs, Transformer
+from meshrun.parallel.context import ContextParallel
 from meshrun.parallel.dims import ParallelDims
 from meshrun.parallel.parallelize import parallelize_nd, parallelize_pipeline
 from meshrun.parallel.pipeline import resolve_pipeline
@@ -37,6 +39,7 @@ from meshrun.train.step import (
     evaluate_pp,
     lm_loss,
     mean_loss_across_ranks,
+    sequence_context,
     train_step,
     train_step_pp,
 )
@@ -45,6 +48,7 @@ pytestmark = pytest.mark.timeout(400)
 
 STEPS = 6  # every layout's parity shows from step 1 on; 6 are enough to see the run learn (> 0.5)
 STEPS_3D = 4  # the 8-rank case: see its test
+CP_STEPS = 10  # context parallel: its losses must stay with one process's over 10 steps
 GLOBAL_BATCH = 8
 SEQ = 16
 MAX_NORM = 0.5
@@ -69,6 +73,11 @@ LAYOUTS = {
     "pp2_looped_bfs_fsdp2": dict(pp=2, dp_shard=2, schedule="looped_bfs"),
     "pp2_zero_bubble_tp2": dict(pp=2, tp=2, schedule="interleaved_zero_bubble"),
     "pp4_1f1b": dict(pp=4, schedule="1f1b"),
+    # Context parallel (seq 16 in 2 x cp chunks, head-tail), sharded with FSDP over dp_shard x cp.
+    "cp2_fsdp2": dict(cp=2, dp_shard=2, steps=CP_STEPS),
+    "cp2_hsdp2": dict(cp=2, dp_replicate=2, steps=CP_STEPS),  # HSDP over (dp_replicate, dp_shard_cp)
+    "cp4": dict(cp=4, steps=CP_STEPS),
+    "cp2_tp2": dict(cp=2, tp=2, steps=CP_STEPS),
     # Mixed precision: bf16 compute, fp32 gradient reduction; tracks fp32 within BF16_TOL.
     "fsdp4_bf16": dict(dp_shard=4, param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
 }
@@ -105,8 +114,10 @@ def _train_layout(layout: dict, world_size: int, steps: int = STEPS) -> dict:
     """Train one layout with meshrun's functions for `steps` steps; on one process when world_size is 1."""
     opts = dict(layout)
     schedule, per_rank = opts.pop("schedule", None), opts.pop("stages_per_rank", 0)
+    steps = opts.pop("steps", steps)
     dims = ParallelDims(dp_replicate=opts.pop("dp_replicate", 1), dp_shard=opts.pop("dp_shard", 1),
-                        tp=opts.pop("tp", 1), pp=opts.pop("pp", 1), world_size=world_size)
+                        tp=opts.pop("tp", 1), pp=opts.pop("pp", 1), world_size=world_size, cp=opts.pop("cp", 1))
+    cp = None
     model = Transformer(ModelArgs(**ARGS), seed=7)
     lp = opts.get("loss_parallel", False)
     if world_size == 1:
@@ -122,6 +133,7 @@ def _train_layout(layout: dict, world_size: int, steps: int = STEPS) -> dict:
             parts, pp_group = pipeline.parts, mesh["pp"].get_group()
         else:
             parts, pipeline, pp_group = [parallelize_nd(model, dims, mesh, device=CPU, **opts)], None, None
+            cp = ContextParallel(mesh["cp"]) if dims.cp_enabled else None
     optimizers = [torch.optim.AdamW(part.parameters(), lr=1e-2, weight_decay=0.1) for part in parts]
     batches = _batches(dp_rank, dims.dp_size)
     step_args = dict(grad_accum=1, device=CPU, dtype="fp32", grad_clip=MAX_NORM)
@@ -137,22 +149,24 @@ def _train_layout(layout: dict, world_size: int, steps: int = STEPS) -> dict:
             if pipeline is not None:
                 loss, norm, _ = train_step_pp(pipeline, optimizers, batches, pp_group=pp_group, **step_args)
             else:
-                loss, norm, _ = train_step(parts[0], optimizers[0], batches, loss_parallel=lp, **step_args)
+                loss, norm, _ = train_step(parts[0], optimizers[0], batches, loss_parallel=lp,
+                                           context_parallel=cp, **step_args)
         losses.append(mean_loss_across_ranks(loss, world_size, dims.pp))
         norms.append(float(norm))
     val = _batches(dp_rank, dims.dp_size, seed=2000)
     if pipeline is not None:
         local = evaluate_pp(pipeline, val, steps=1, device=CPU, dtype="fp32")
     else:
-        local = evaluate(parts[0], val, steps=1, device=CPU, dtype="fp32", loss_parallel=lp)
+        local = evaluate(parts[0], val, steps=1, device=CPU, dtype="fp32", loss_parallel=lp, context_parallel=cp)
     eval_loss = mean_loss_across_ranks(local, world_size, dims.pp)
     # One more backward (no step) so that gradients exist while the bytes are counted.
     inputs, targets = next(batches)
     if pipeline is not None:
         pipeline.step(inputs, targets)
     else:
-        with loss_parallel() if lp else contextlib.nullcontext():
-            lm_loss(parts[0], inputs, targets).backward()
+        with loss_parallel() if lp else contextlib.nullcontext(), \
+                sequence_context(cp, inputs, targets) as (inputs, targets, positions):
+            lm_loss(parts[0], inputs, targets, positions).backward()
     memory = {**_memory(parts, optimizers), "activations": acts.peak}
     names = sorted(n.removeprefix("module.") for part in parts for n, _ in part.named_parameters())
     return {"losses": losses, "norms": norms, "eval": eval_loss, "memory": memory, "names": names}
@@ -168,13 +182,22 @@ def reference() -> dict:
 
 
 @pytest.fixture(scope="module")
+def reference_cp() -> dict:
+    """The single-process run as long as the context-parallel layouts' (CP_STEPS)."""
+    return _train_layout({}, 1, CP_STEPS)
+
+
+@pytest.fixture(scope="module")
 def runs() -> list[dict]:
     return run_distributed(_rank_train_all, world_size=4, args=(LAYOUTS,), timeout=360,
                            env={"OMP_NUM_THREADS": "1"})
 
 
 @pytest.mark.parametrize("name", EXACT)
-def test_layout_matches_one_process(runs, reference, name):
+def test_layout_matches_one_process(runs, reference, reference_cp, name):
+    if "steps" in LAYOUTS[name]:
+        reference = reference_cp
+        assert len(reference["losses"]) == LAYOUTS[name]["steps"]
     ref_losses = torch.tensor(reference["losses"])
     assert ref_losses[-1] < ref_losses[0] - 0.5, "the reference run should learn"
     assert reference["norms"][0] > MAX_NORM, "clipping should be active"
@@ -221,7 +244,7 @@ def test_plan_estimate_is_within_20_percent_of_measured(runs, name):
     """State (params + grads + AdamW) and activations (peak saved for backward), per rank."""
     layout = LAYOUTS[name]
     dims = ParallelDims(dp_replicate=layout.get("dp_replicate", 1), dp_shard=layout.get("dp_shard", 1),
-                        tp=layout.get("tp", 1), pp=layout.get("pp", 1), world_size=4)
+                        tp=layout.get("tp", 1), pp=layout.get("pp", 1), world_size=4, cp=layout.get("cp", 1))
     est = estimate(ModelArgs(**ARGS), dims, batch_size=GLOBAL_BATCH // dims.dp_size, seq_len=SEQ,
                    sequence_parallel=layout.get("sequence_parallel", False),
                    loss_parallel=layout.get("loss_parallel", False),

@@ -39,8 +39,8 @@ def test_flags_and_description():
     assert d.dp_enabled and not d.pp_enabled
     assert d.describe() == "dp_replicate 2 x dp_shard 2 x tp 2 (world 8)"
     assert dims(1).describe() == "single rank (world 1)"
-    assert d.degrees == {"dp_replicate": 2, "dp_shard": 2, "tp": 2, "pp": 1}
-    assert MESH_AXES == ("pp", "dp_replicate", "dp_shard", "tp")
+    assert d.degrees == {"dp_replicate": 2, "dp_shard": 2, "tp": 2, "pp": 1, "cp": 1}
+    assert MESH_AXES == ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 
 
 def test_from_config_reads_the_four_degrees():

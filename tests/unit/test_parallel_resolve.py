@@ -50,7 +50,7 @@ def test_plain_ddp_needs_no_mesh_and_takes_every_rank():
 
 def test_fsdp_shards_the_ranks_left_and_resolves_dtypes():
     layout = resolve_layout(ParallelOptions(strategy="fsdp", tp=2, dtype="bf16"), 8, MODEL)
-    assert layout.dims.degrees == {"dp_replicate": 1, "dp_shard": 4, "tp": 2, "pp": 1}
+    assert layout.dims.degrees == {"dp_replicate": 1, "dp_shard": 4, "cp": 1, "tp": 2, "pp": 1}
     assert layout.use_mesh and (layout.param_dtype, layout.reduce_dtype) == ("bf16", "fp32")
     assert resolve_layout(ParallelOptions(strategy="fsdp", param_dtype="fp32", dtype="bf16"), 2).param_dtype == "fp32"
     hsdp = resolve_layout(ParallelOptions(strategy="fsdp", dp_replicate=2, dp_shard=-1), 8)
@@ -60,7 +60,7 @@ def test_fsdp_shards_the_ranks_left_and_resolves_dtypes():
 
 def test_ddp_with_pipeline_goes_over_the_mesh_with_a_checked_plan():
     layout = resolve_layout(ParallelOptions(pp=2, pp_schedule="interleaved_1f1b", batch_size=8), 4, MODEL)
-    assert layout.use_mesh and layout.dims.degrees == {"dp_replicate": 2, "dp_shard": 1, "tp": 1, "pp": 2}
+    assert layout.use_mesh and layout.dims.degrees == {"dp_replicate": 2, "dp_shard": 1, "cp": 1, "tp": 1, "pp": 2}
     plan = layout.pipeline
     assert (plan.num_stages, plan.stages_per_rank, plan.microbatches) == (4, 2, 4)
     assert plan.layers == [["0"], ["1"], ["2"], ["3"]]
@@ -73,12 +73,14 @@ def test_options_from_config_equal_the_sections_and_defaults_agree():
     cfg = load_config(None, ["parallel.strategy=fsdp", "parallel.tp=2", "train.batch_size=4", "train.dtype=bf16"])
     options = ParallelOptions.from_config(cfg)
     assert (options.strategy, options.tp, options.batch_size, options.dtype) == ("fsdp", 2, 4, "bf16")
+    assert options.seq_len == cfg.data.seq_len  # the [data] key a layout reads (context parallel)
     defaults = {f.name: f.default for cls in (ParallelSection, TrainSection) for f in dataclasses.fields(cls)}
     for f in dataclasses.fields(ParallelOptions):
-        assert f.default == defaults[f.name], f.name  # ParallelOptions() is the default config's layout
+        if f.name != "seq_len":  # 0 = not known: the sequence rules wait for a [data] section
+            assert f.default == defaults[f.name], f.name  # ParallelOptions() is the default config's layout
     assert set(f.name for f in dataclasses.fields(ParallelSection)) < set(defaults)
     assert ParallelOptions.from_sections(cfg.parallel) == dataclasses.replace(
-        options, batch_size=16, dtype="fp32")
+        options, batch_size=16, dtype="fp32", seq_len=0)
 
 
 def test_model_shape_from_args_and_modules():
@@ -91,8 +93,8 @@ def test_model_shape_from_args_and_modules():
 
 
 def test_stated_degrees_need_no_world_size():
-    assert stated_degrees(ParallelOptions(strategy="fsdp")) == {"dp_replicate": 1, "dp_shard": -1, "tp": 1, "pp": 1}
-    assert stated_degrees(ParallelOptions()) == {"dp_replicate": -1, "dp_shard": 1, "tp": 1, "pp": 1}
+    assert stated_degrees(ParallelOptions(strategy="fsdp")) == {"dp_replicate": 1, "dp_shard": -1, "cp": 1, "tp": 1, "pp": 1}
+    assert stated_degrees(ParallelOptions()) == {"dp_replicate": -1, "dp_shard": 1, "cp": 1, "tp": 1, "pp": 1}
 
 
 def test_dtype_table():
@@ -112,7 +114,7 @@ RULES = [
     (dict(tp=0), 4, "parallel.tp must be an integer >= 1 or -1 (the ranks left), got 0"),
     (dict(pp=True), 4, "parallel.pp must be an integer >= 1 or -1 (the ranks left), got true"),
     (dict(strategy="fsdp", dp_replicate=-1, dp_shard=-1), 4,
-     "only one of parallel.dp_replicate, parallel.dp_shard, parallel.tp, parallel.pp may be -1, got -1 for dp_replicate, dp_shard"),
+     "only one of parallel.dp_replicate, parallel.dp_shard, parallel.cp, parallel.tp, parallel.pp may be -1, got -1 for dp_replicate, dp_shard"),
     (dict(tp=2), 4, "parallel.tp must be 1 with parallel.strategy = 'ddp' (it only replicates), got 2"),
     (dict(dp_shard=2), 4, "parallel.dp_shard must be 1 with parallel.strategy = 'ddp'"),
     (dict(pp_schedule="zbv"), 4, "parallel.pp_schedule must be one of 'gpipe', '1f1b', "),
@@ -133,6 +135,12 @@ RULES = [
      "parallel.sequence_parallel=true and parallel.loss_parallel=true split over tensor-parallel ranks"),
     (dict(**FSDP, tp=2, pp=2, loss_parallel=True), 4,
      "parallel.loss_parallel=true does not compose with parallel.pp=2"),
+    (dict(cp=2), 4, "parallel.cp=2 shards the parameters over the data and context ranks together (FSDP over "
+     "dp_shard x cp), which parallel.strategy = 'ddp' does not do; set parallel.strategy = 'fsdp'"),
+    (dict(strategy="fsdp", cp=2, pp=2), 4, "parallel.cp=2 does not compose with parallel.pp=2 (pipeline stages"),
+    (dict(strategy="fsdp", cp=2, seq_len=10), 4,
+     "data.seq_len=10 must divide into 2 x parallel.cp = 4 equal chunks (head-tail load balancing gives each "
+     "cp rank two); e.g. data.seq_len=8 or 12"),
     # -- the rules above need no world size (check_options); those below do
     (dict(**dict(FSDP, dp_shard=2), tp=2, pp=-1, loss_parallel=True, batch_size=8), 8,
      "parallel.loss_parallel=true does not compose with parallel.pp=2"),  # pp known only with the world
@@ -140,9 +148,11 @@ RULES = [
     (dict(strategy="fsdp", dp_replicate=1, dp_shard=-1, tp=3), 4,
      "parallel.dp_shard=-1 takes the ranks left, but parallel.tp=3 = 3 does not divide the world size 4"),
     (dict(dp_replicate=1, pp=2), 4,
-     "parallel.dp_replicate=1 x parallel.dp_shard=1 x parallel.tp=1 x parallel.pp=2 = 2 does not equal the world size 4; "
-     "e.g. parallel.dp_replicate=2 or parallel.pp=4, or set one degree to -1"),  # ddp: no dp_shard/tp fixes
-    (dict(**FSDP, pp=2), 4, "e.g. parallel.dp_replicate=2 or parallel.dp_shard=2 or parallel.tp=2 or parallel.pp=4"),
+     "parallel.dp_replicate=1 x parallel.dp_shard=1 x parallel.cp=1 x parallel.tp=1 x parallel.pp=2 = 2 does not equal "
+     "the world size 4; e.g. parallel.dp_replicate=2 or parallel.pp=4, or set one degree to -1"),  # ddp: no dp_shard/cp/tp fixes
+    (dict(**FSDP, pp=2), 4, "e.g. parallel.dp_replicate=2 or parallel.dp_shard=2 or parallel.cp=2 or parallel.tp=2 or parallel.pp=4"),
+    (dict(strategy="fsdp", dp_replicate=1, dp_shard=1, cp=-1, seq_len=12), 4,
+     "data.seq_len=12 must divide into 2 x parallel.cp = 8 equal chunks"),  # cp known only with the world
     (dict(**FSDP, tp=4), 4, "parallel.tp=4 does not divide model.n_kv_heads=2; valid: 1, 2"),
     (dict(**FSDP, tp=8), 8, "parallel.tp=8 does not divide model.n_heads=4; valid: 1, 2"),
     (dict(dp_replicate=1, pp=8), 8, "parallel.pp=8 exceeds model.n_layers=4 (a stage needs at least one block); valid: 1, 2, 4"),
@@ -164,7 +174,7 @@ RULES = [
      "parallel.pp_microbatches=5 must be a multiple of parallel.pp=2 (or at most 2) for 'interleaved_1f1b'"),
 ]
 
-OPTION_RULES = 20
+OPTION_RULES = 23
 
 
 @pytest.mark.parametrize(("kwargs", "world", "expected"), RULES, ids=[r[2][:50] for r in RULES])
@@ -231,6 +241,11 @@ MESSAGES = [
     "does not divide train.batch_size=",
     "needs parallel.pp_microbatches >= the",
     "must be a multiple of parallel.pp=",
+    "ranks together (FSDP over dp_shard x cp)",
+    "(pipeline stages pass no ",
+    "(head-tail load balancing gives each",
+    "splits the sequence of the built-in model only",
+    "(the ring attention runs eagerly)",
 ]
 # ConfigErrors outside rules.py that name a parallel key but are no layout rule: misuse of the build
 # API (parallelize.py), and `meshrun plan --show` asking for its --world flag.

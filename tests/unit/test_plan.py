@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from math import prod
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -168,23 +170,29 @@ def test_errors():
 
 
 def test_layouts_are_the_ones_the_resolver_accepts():
-    """The table lists exactly the layouts `resolve_layout` accepts for the model."""
+    """The table lists exactly the layouts `resolve_layout` accepts for the model (with a sequence
+    length, the context-parallel ones too)."""
     import itertools
 
     from meshrun.parallel.resolve import ModelShape, ParallelOptions, resolve_layout
 
     world = 8
-    every = [d for d in itertools.product((1, 2, 4, 8), repeat=4) if d[0] * d[1] * d[2] * d[3] == world]
-    for name in ("tiny", "1b"):  # 1b ties its embeddings: no pipeline
+    every = [d for d in itertools.product((1, 2, 4, 8), repeat=5) if prod(d) == world]
+    keys = ("dp_replicate", "dp_shard", "tp", "pp", "cp")
+    for name, seq_len in (("tiny", 0), ("1b", 0), ("tiny", 16), ("tiny", 8)):  # 1b ties its embeddings: no pipeline
         args = get_size(name)
         accepted = set()
-        for rep, shard, tp, pp in every:
-            options = ParallelOptions(strategy="fsdp", dp_replicate=rep, dp_shard=shard, tp=tp, pp=pp, batch_size=8)
+        for degrees in every:
+            options = ParallelOptions(strategy="fsdp", **dict(zip(keys, degrees, strict=True)), batch_size=8,
+                                      seq_len=seq_len)
+            if degrees[-1] > 1 and not seq_len:
+                continue  # without a sequence length the plan leaves cp out
             try:
                 resolve_layout(options, world, ModelShape.from_args(args))
             except ConfigError:
                 continue
-            accepted.add((rep, shard, tp, pp))
-        assert {tuple(d.degrees.values()) for d in layouts(args, world)} == accepted, name
+            accepted.add(degrees)
+        found = {tuple(d.degrees[k] for k in keys) for d in layouts(args, world, seq_len)}
+        assert found == accepted, (name, seq_len)
     assert any(d.pp > 1 for d in layouts(get_size("tiny"), 4))
     assert not any(d.pp > 1 for d in layouts(get_size("1b"), 4))

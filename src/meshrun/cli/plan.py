@@ -21,7 +21,7 @@ from meshrun.errors import ConfigError
 from meshrun.plan.memory import GIB, MemoryEstimate, Plan, candidates
 
 EPILOG = """\
-ranking: layouts that fit --device-memory first; then the least model parallelism (tp x pp;
+ranking: layouts that fit --device-memory first; then the least model parallelism (tp x pp x cp;
 TP before PP at equal products); then, for a model whose training state is under 1 GiB, plain
 data parallel (no sharding); then the least total memory per rank. Sizes are per rank, in GiB,
 or MiB when every layout needs under 1 GiB.
@@ -30,6 +30,7 @@ params are fp32 (meshrun keeps fp32 weights; bf16 is autocast), optim is AdamW's
 examples:
   meshrun plan --model 8b --world 64 --device-memory 80 --batch-size 1 --seq-len 8192
   meshrun plan --model tiny --world 4 --activation-checkpointing
+  meshrun plan --model 1b --world 8 --seq-len 32768 --context-parallel --device-memory 80
   meshrun plan --show my.toml --world 4 --set parallel.strategy=fsdp --set parallel.tp=2
 """
 
@@ -64,6 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="activation dtype (bf16, fp16 = autocast); default: train.dtype")
     p.add_argument("--activation-checkpointing", action="store_true", default=None,
                    help="recompute blocks in backward (default: train.activation_checkpointing)")
+    p.add_argument("--context-parallel", action="store_true", default=None,
+                   help="also rank layouts that split each sequence over cp ranks (default: when the "
+                        "config's parallel.cp > 1)")
     p.add_argument("--top", type=positive_int, default=12,
                    help="rows of the table to print (default 12)")
     p.add_argument("--show", action="store_true",
@@ -86,15 +90,16 @@ def _fmt(n: int, unit: int = GIB) -> str:
 
 
 def format_table(plan: Plan, top: int) -> str:
-    cols = ("#", "dp_rep", "dp_shard", "tp", "pp", "params", "grads", "optim", "fsdp_buf",
-            "activ", "total", "fits")
+    cp = any(e.dims.cp > 1 for e in plan.ranked)  # a cp column only when a layout splits the sequence
+    cols = ("#", "dp_rep", "dp_shard", *(("cp",) if cp else ()), "tp", "pp", "params", "grads", "optim",
+            "fsdp_buf", "activ", "total", "fits")
     rows = []
     _, unit = table_unit(plan)
     for i, e in enumerate(plan.ranked[:top], 1):
         d = e.dims
         fits = "-" if e.fits is None else "yes" if e.fits else "no"
-        rows.append((str(i), str(d.dp_replicate), str(d.dp_shard), str(d.tp), str(d.pp),
-                     _fmt(e.params, unit), _fmt(e.grads, unit), _fmt(e.optim, unit),
+        rows.append((str(i), str(d.dp_replicate), str(d.dp_shard), *((str(d.cp),) if cp else ()), str(d.tp),
+                     str(d.pp), _fmt(e.params, unit), _fmt(e.grads, unit), _fmt(e.optim, unit),
                      _fmt(e.fsdp_buffers, unit), _fmt(e.activations, unit), _fmt(e.total, unit), fits))
     widths = [max(len(r[i]) for r in [cols, *rows]) for i in range(len(cols))]
     lines = ["  ".join(c.rjust(w) for c, w in zip(row, widths, strict=True)) for row in [cols, *rows]]
@@ -105,9 +110,10 @@ def format_table(plan: Plan, top: int) -> str:
 
 def parallel_toml(e: MemoryEstimate) -> str:
     d = e.dims
-    strategy = "fsdp" if d.dp_shard > 1 or d.tp > 1 or d.pp > 1 else "ddp"
+    strategy = "fsdp" if d.dp_shard > 1 or d.cp > 1 or d.tp > 1 or d.pp > 1 else "ddp"
     return "\n".join(["[parallel]", f'strategy = "{strategy}"', f"dp_replicate = {d.dp_replicate}",
-                      f"dp_shard = {d.dp_shard}", f"tp = {d.tp}", f"pp = {d.pp}"])
+                      f"dp_shard = {d.dp_shard}", *([f"cp = {d.cp}"] if d.cp > 1 else []), f"tp = {d.tp}",
+                      f"pp = {d.pp}"])
 
 
 def _world_for_show(cfg, world: int | None) -> int:
@@ -128,12 +134,12 @@ def _world_for_show(cfg, world: int | None) -> int:
     return prod(degrees.values())
 
 
-def _config_line(cfg, plan: Plan, args, world: int, batch: int) -> str:
+def _config_line(cfg, plan: Plan, args, world: int, batch: int, seq: int) -> str:
     """Where the config's own [parallel] layout, resolved for `world`, sits in the table."""
     from meshrun.errors import MeshrunError
     from meshrun.parallel.resolve import ModelShape, ParallelOptions, resolve_layout
 
-    options = replace(ParallelOptions.from_config(cfg), batch_size=batch)
+    options = replace(ParallelOptions.from_config(cfg), batch_size=batch, seq_len=seq)
     try:
         layout = resolve_layout(options, world, ModelShape.from_args(args))
     except MeshrunError as err:
@@ -173,8 +179,9 @@ def main(argv: list[str]) -> int:
     dtype = a.dtype or cfg.train.dtype
     ac = cfg.train.activation_checkpointing if a.activation_checkpointing is None else True
     limit = None if a.device_memory is None else int(a.device_memory * GIB)
+    cp = cfg.parallel.cp != 1 if a.context_parallel is None else True
     plan = candidates(args, world_size=a.world, batch_size=batch, seq_len=seq, dtype=dtype,
-                      activation_checkpointing=ac, device_memory=limit)
+                      activation_checkpointing=ac, device_memory=limit, context_parallel=cp)
     print(f"model: {args.num_params() / 1e6:.2f}M params (dim {args.dim}, {args.n_layers} layers, "
           f"{args.n_heads} heads, {args.n_kv_heads} kv heads)   world: {a.world}   batch {batch} x "
           f"seq {seq} per data-parallel rank, {dtype}"
@@ -183,7 +190,7 @@ def main(argv: list[str]) -> int:
     unit_name, unit = table_unit(plan)
     print(f"{unit_name} per rank, {len(plan.ranked)} layouts, best first:")
     print(format_table(plan, a.top))
-    print(_config_line(cfg, plan, args, a.world, batch))
+    print(_config_line(cfg, plan, args, a.world, batch, seq))
     best = plan.recommended
     if best.fits is False:
         smallest = min(plan.ranked, key=lambda e: e.total)

@@ -144,15 +144,21 @@ class Transformer(nn.Module):
         self.register_buffer("freqs_sin", sin, persistent=False)
         self.init_weights(seed)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """``positions``: the sequence positions of ``tokens``' columns, (T,) (default 0..T-1);
+        under context parallel a rank holds two chunks of the sequence (meshrun.parallel.context)."""
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         seqlen = h.shape[1]
-        if seqlen > self.freqs_cos.shape[0]:
+        last = seqlen if positions is None else int(positions.max()) + 1
+        if last > self.freqs_cos.shape[0]:
             raise ModelError(
-                f"sequence length {seqlen} exceeds model.max_seq_len={self.freqs_cos.shape[0]}; "
+                f"sequence length {last} exceeds model.max_seq_len={self.freqs_cos.shape[0]}; "
                 "raise model.max_seq_len or shorten the sequences"
             )
-        cos, sin = self.freqs_cos[:seqlen], self.freqs_sin[:seqlen]
+        if positions is None:
+            cos, sin = self.freqs_cos[:seqlen], self.freqs_sin[:seqlen]
+        else:
+            cos, sin = self.freqs_cos[positions], self.freqs_sin[positions]
         for layer in self.layers.values():
             h = layer(h, cos, sin)
         if self.norm is not None:

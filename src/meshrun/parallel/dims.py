@@ -11,19 +11,22 @@ data loader and loss averaging need. The degree checks are `meshrun.parallel.rul
 `ConfigError`s naming the `parallel.*` key and values that would work), so a bad layout fails
 before any process group is created (and before any rank waits on a peer).
 
-Mesh decision: the mesh always has all four axes ("pp", "dp_replicate", "dp_shard", "tp"), size 1
+Mesh decision: the mesh always has all five axes ("pp", "dp_replicate", "dp_shard", "cp", "tp"), size 1
 included, so `mesh["tp"]` and `mesh["dp"]` exist in every layout and callers never branch on
 which axes were built; whether a parallelism is on is the `*_enabled` flag, not the axis's
 existence. Axis order follows torchtitan: tp innermost (neighbouring ranks, the fastest links),
-pp outermost. The flattened axis "dp" (dp_replicate x dp_shard) is the group data is split
-over and losses are averaged over; get it with `dims.dp_mesh(mesh)` (torch 2.13 warns that
-slicing a flattened axis from the root, `mesh["dp"]`, is deprecated). A "dp_shard_cp" axis would only differ from "dp_shard" with
-context parallelism, which meshrun does not have, so it is not built.
+pp outermost, cp just outside tp. The flattened axis "dp" (dp_replicate x dp_shard) is the group
+data is split over; get it with `dims.dp_mesh(mesh)` (torch 2.13 warns that slicing a flattened
+axis from the root, `mesh["dp"]`, is deprecated). The cp ranks of one dp rank read the same batch
+and split its sequence (meshrun.parallel.context); they shard the parameters together with the
+dp_shard ranks, as torchtitan does: FSDP runs over the flattened "dp_shard_cp" axis
+(`dims.fsdp_mesh(mesh)`), built only when cp > 1, so gradients are averaged over every token.
 See https://docs.pytorch.org/tutorials/recipes/distributed_device_mesh.html
 """
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING
 
@@ -34,7 +37,7 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
 # Outermost to innermost. Only these names are ever built.
-MESH_AXES = ("pp", "dp_replicate", "dp_shard", "tp")
+MESH_AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 __all__ = ["DEGREES", "MESH_AXES", "ParallelDims"]
 
 
@@ -55,7 +58,9 @@ class ParallelDims:
     pp: int
     """Pipeline-parallel stages."""
     world_size: int
-    """Total number of ranks; the product of the four degrees must equal it."""
+    """Total number of ranks; the product of the five degrees must equal it."""
+    cp: int = 1
+    """Context-parallel degree: each sequence split over this many ranks (ring attention)."""
 
     def __post_init__(self) -> None:
         resolved = rules.resolve_degrees({name: getattr(self, name) for name in DEGREES}, self.world_size)
@@ -64,10 +69,10 @@ class ParallelDims:
 
     @classmethod
     def from_config(cls, parallel_cfg, world_size: int) -> ParallelDims:
-        """From a `[parallel]` section (anything with the four degree attributes and a strategy),
+        """From a `[parallel]` section (anything with the degree attributes and a strategy),
         with the strategy's default applied (`rules.strategy_degrees`: fsdp shards the ranks
         left). Prefer `resolve_layout`, which checks the whole layout."""
-        degrees = {name: getattr(parallel_cfg, name) for name in DEGREES}
+        degrees = {name: getattr(parallel_cfg, name, 1) for name in DEGREES}
         return cls(**rules.strategy_degrees(getattr(parallel_cfg, "strategy", "ddp"), degrees),
                    world_size=world_size)
 
@@ -98,7 +103,8 @@ class ParallelDims:
 
     @property
     def fsdp_enabled(self) -> bool:
-        return self.dp_shard_enabled
+        """fully_shard shards the parameters: over dp_shard, and over the cp ranks with them."""
+        return self.dp_shard_enabled or self.cp_enabled
 
     @property
     def dp_enabled(self) -> bool:
@@ -111,6 +117,10 @@ class ParallelDims:
     @property
     def pp_enabled(self) -> bool:
         return self.pp > 1
+
+    @property
+    def cp_enabled(self) -> bool:
+        return self.cp > 1
 
     @property
     def dp_size(self) -> int:
@@ -129,7 +139,8 @@ class ParallelDims:
     # -- the mesh -------------------------------------------------------------------------------
 
     def build_mesh(self, device_type: str) -> DeviceMesh:
-        """One DeviceMesh with axes MESH_AXES plus the flattened "dp"; call after the group exists.
+        """One DeviceMesh with axes MESH_AXES plus the flattened "dp" (and "dp_shard_cp" when cp > 1);
+        call after the group exists.
 
         Every rank must call it (it creates the sub-groups collectively).
         """
@@ -137,7 +148,9 @@ class ParallelDims:
 
         shape = tuple(getattr(self, name) for name in MESH_AXES)
         mesh = init_device_mesh(device_type, shape, mesh_dim_names=MESH_AXES)
-        self.dp_mesh(mesh)  # create the flattened group now, collectively, on every rank
+        self.dp_mesh(mesh)  # create the flattened groups now, collectively, on every rank
+        if self.cp_enabled:
+            self.fsdp_mesh(mesh)
         return mesh
 
     @staticmethod
@@ -154,7 +167,18 @@ class ParallelDims:
         return cls.dp_mesh(mesh).get_local_rank()
 
     def fsdp_mesh(self, mesh: DeviceMesh) -> DeviceMesh:
-        """The mesh fully_shard gets: 2-D (dp_replicate, dp_shard) for HSDP, else 1-D dp_shard."""
+        """The mesh fully_shard gets: 2-D (dp_replicate, dp_shard) for HSDP, else 1-D dp_shard;
+        with cp > 1, "dp_shard_cp" (dp_shard x cp flattened) in place of dp_shard, as torchtitan
+        does. Idempotent, like `dp_mesh`."""
+        if self.cp_enabled:
+            flat = mesh["dp_shard", "cp"]._flatten(mesh_dim_name="dp_shard_cp")
+            if not self.dp_replicate_enabled:
+                return flat
+            with warnings.catch_warnings():
+                # torch 2.13 warns that slicing a flattened axis from the root will go; no public
+                # call pairs a root axis with a flattened one yet (torchtitan slices it too).
+                warnings.filterwarnings("ignore", message="Slicing a flattened dim from root mesh")
+                return mesh["dp_replicate", "dp_shard_cp"]
         if self.dp_replicate_enabled:
             return mesh["dp_replicate", "dp_shard"]
         return mesh["dp_shard"]

@@ -24,6 +24,8 @@ import torch.distributed as dist
 from torch import nn
 
 from meshrun.parallel.compile import apply_compile, layout_allows
+from meshrun.parallel.context import ContextParallel
+from meshrun.parallel.context import check_model as check_cp_model
 from meshrun.parallel.dims import ParallelDims
 from meshrun.parallel.parallelize import (
     _has_dtensors,
@@ -51,6 +53,7 @@ class BuiltLayout:
     mesh: object | None = None
     loss_parallel: bool = False
     compiled: list[str] | None = None  # the blocks train.compile compiled (meshrun.parallel.compile)
+    context_parallel: ContextParallel | None = None  # cp > 1: splits each batch's sequence
 
     @property
     def pp(self) -> int:
@@ -156,7 +159,7 @@ def build_layout(model: nn.Module, layout: ResolvedLayout, *, device: torch.devi
     options, world_size = layout.options, layout.world_size
     compiled: list[str] = []
     tp = layout.dims.tp if layout.use_mesh else 1
-    compile = compile if layout_allows(compile, tp, options.sequence_parallel) else False
+    compile = compile if layout_allows(compile, tp, options.sequence_parallel, layout.dims.cp) else False
 
     def init(module: nn.Module) -> None:
         compiled.extend(apply_compile(module, compile))
@@ -168,6 +171,8 @@ def build_layout(model: nn.Module, layout: ResolvedLayout, *, device: torch.devi
         return BuiltLayout([wrapped], dp_rank=dist.get_rank() if world_size > 1 else 0, dp_size=world_size,
                            device=device, world_size=world_size, compiled=compiled)
     dims = layout.dims
+    if dims.cp_enabled:  # before any process group is split: a model that cannot be split says so
+        check_cp_model(unwrap_model(model), dims.cp)
     mesh = dims.build_mesh(device.type)
     kwargs = dict(
         param_dtype=torch_dtype(layout.param_dtype),
@@ -181,7 +186,7 @@ def build_layout(model: nn.Module, layout: ResolvedLayout, *, device: torch.devi
     )
     built = BuiltLayout([], dp_rank=dims.dp_rank(mesh), dp_size=dims.dp_size, device=device,
                         world_size=world_size, dims=dims, mesh=mesh, loss_parallel=options.loss_parallel,
-                        compiled=compiled)
+                        compiled=compiled, context_parallel=ContextParallel(mesh["cp"]) if dims.cp_enabled else None)
     if layout.pipeline is None:
         built.parts = [parallelize_nd(model, dims, mesh, device=device, **kwargs)]
     else:

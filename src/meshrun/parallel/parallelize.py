@@ -136,11 +136,13 @@ def _apply_nd(model: nn.Module, dims: ParallelDims, mesh, *, device: torch.devic
     # DDP takes neither DTensor parameters (TP) nor a pipeline's several backwards per step
     # (its reducer asserts when it rebuilds buckets, measured on torch 2.13): replicate with
     # fully_shard on the (dp_replicate, dp_shard=1) mesh instead, as torchtitan does.
-    use_fsdp = dims.dp_shard_enabled or ((dims.tp_enabled or dims.pp_enabled) and dims.dp_replicate_enabled)
+    # Context parallel ranks shard with the dp_shard ranks (FSDP over "dp_shard_cp", torchtitan's
+    # fold): each holds other tokens of the same samples, so their gradients are averaged too.
+    use_fsdp = dims.fsdp_enabled or ((dims.tp_enabled or dims.pp_enabled) and dims.dp_replicate_enabled)
     if use_fsdp:
         from meshrun.parallel.fsdp import apply_fsdp
 
-        model = apply_fsdp(model, dims.fsdp_mesh(mesh) if dims.dp_shard_enabled
+        model = apply_fsdp(model, dims.fsdp_mesh(mesh) if dims.fsdp_enabled
                            else mesh["dp_replicate", "dp_shard"],
                            param_dtype=param_dtype, reduce_dtype=reduce_dtype,
                            reshard_after_forward=reshard_after_forward, cpu_offload=cpu_offload)

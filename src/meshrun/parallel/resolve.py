@@ -32,7 +32,9 @@ __all__ = [
 ]
 
 TRAIN_KEYS = ("batch_size", "grad_accum", "dtype", "activation_checkpointing")
-"""The `[train]` keys a layout depends on; every other option is a `[parallel]` key."""
+"""The `[train]` keys a layout depends on; every other option is a `[parallel]` key but DATA_KEYS."""
+DATA_KEYS = ("seq_len",)
+"""The `[data]` keys a layout depends on (context parallel splits the sequence)."""
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -55,6 +57,7 @@ class ParallelOptions:
     strategy: str = "ddp"
     dp_replicate: int = -1
     dp_shard: int = 1
+    cp: int = 1
     tp: int = 1
     pp: int = 1
     pp_schedule: str = "gpipe"
@@ -71,23 +74,29 @@ class ParallelOptions:
     grad_accum: int = 1
     dtype: str = "fp32"
     activation_checkpointing: bool = False
+    seq_len: int = 0
+    """data.seq_len; 0 = not known (its rules are skipped)."""
 
     @classmethod
-    def from_sections(cls, parallel: Any, train: Any = None) -> ParallelOptions:
-        """From a `[parallel]` section (and a `[train]` one; None = train's defaults)."""
-        values = {f.name: getattr(parallel, f.name) for f in fields(cls) if f.name not in TRAIN_KEYS}
+    def from_sections(cls, parallel: Any, train: Any = None, data: Any = None) -> ParallelOptions:
+        """From a `[parallel]` section (and a `[train]` and `[data]` one; None = train's defaults,
+        the sequence length unknown)."""
+        values = {f.name: getattr(parallel, f.name) for f in fields(cls)
+                  if f.name not in TRAIN_KEYS + DATA_KEYS}
         if train is not None:
             values.update({name: getattr(train, name) for name in TRAIN_KEYS})
+        if data is not None:
+            values.update({name: getattr(data, name) for name in DATA_KEYS})
         return cls(**values)
 
     @classmethod
     def from_config(cls, cfg: Any) -> ParallelOptions:
-        """From a `meshrun.config.JobConfig`: its `[parallel]` and `[train]` sections."""
-        return cls.from_sections(cfg.parallel, cfg.train)
+        """From a `meshrun.config.JobConfig`: its `[parallel]`, `[train]` and `[data]` sections."""
+        return cls.from_sections(cfg.parallel, cfg.train, cfg.data)
 
     @property
     def degrees(self) -> dict[str, int]:
-        """The four degrees as written (-1 = the ranks left, before the strategy's default)."""
+        """The five degrees as written (-1 = the ranks left, before the strategy's default)."""
         return {name: getattr(self, name) for name in DEGREES}
 
 
@@ -184,6 +193,8 @@ def check_options(options: ParallelOptions) -> None:
     rules.check_choice("train.dtype", o.dtype, DTYPE_NAMES)
     rules.check_tp_features(o.tp, o.pp, o.sequence_parallel, o.loss_parallel)
     rules.check_precision(o.dtype, o.pp, o.param_dtype)
+    stated = rules.strategy_degrees(o.strategy, o.degrees)
+    rules.check_context_parallel(stated["cp"], pp=stated["pp"], seq_len=o.seq_len)
 
 
 def resolve_layout(options: ParallelOptions, world_size: int, model: ModelShape | None = None) -> ResolvedLayout:
@@ -194,6 +205,7 @@ def resolve_layout(options: ParallelOptions, world_size: int, model: ModelShape 
     dims = ParallelDims(**degrees, world_size=world_size)
     rules.check_tp_features(dims.tp, dims.pp, options.sequence_parallel, options.loss_parallel)
     rules.check_precision(options.dtype, dims.pp, options.param_dtype)
+    rules.check_context_parallel(dims.cp, pp=dims.pp, seq_len=options.seq_len)
     shape = model or ModelShape()
     rules.check_model_shape(tp=dims.tp, pp=dims.pp, world_size=world_size, n_heads=shape.n_heads,
                             n_kv_heads=shape.n_kv_heads or shape.n_heads, n_layers=shape.n_layers,

@@ -17,7 +17,7 @@ from typing import Any
 from meshrun.errors import ConfigError
 
 STRATEGIES = ("ddp", "fsdp")
-DEGREES = ("dp_replicate", "dp_shard", "tp", "pp")
+DEGREES = ("dp_replicate", "dp_shard", "cp", "tp", "pp")
 DTYPE_NAMES = ("fp32", "bf16", "fp16")  # `meshrun.parallel.resolve.torch_dtype` maps them to torch
 MODEL_KEYS = ("n_heads", "n_kv_heads", "n_layers", "tie_embeddings")  # what the rules read of a model
 
@@ -69,11 +69,15 @@ def check_rest(degrees: dict[str, int]) -> str | None:
 
 
 def check_strategy(strategy: str, degrees: dict[str, int]) -> None:
-    """`ddp` only replicates (whole model, or its pipeline stages): no sharding, no TP."""
+    """`ddp` only replicates (whole model, or its pipeline stages): no sharding, no TP, no CP."""
     if strategy == "ddp":
         for name in ("dp_shard", "tp"):
             require(f"parallel.{name}", degrees[name] == 1,
                     "1 with parallel.strategy = 'ddp' (it only replicates)", degrees[name])
+        if degrees.get("cp", 1) != 1:
+            raise ConfigError(f"parallel.cp={degrees['cp']} shards the parameters over the data and context "
+                              "ranks together (FSDP over dp_shard x cp), which parallel.strategy = 'ddp' does "
+                              "not do; set parallel.strategy = 'fsdp'")
 
 
 def strategy_degrees(strategy: str, degrees: dict[str, int]) -> dict[str, int]:
@@ -87,7 +91,7 @@ def strategy_degrees(strategy: str, degrees: dict[str, int]) -> dict[str, int]:
 
 
 def resolve_degrees(degrees: dict[str, int], world_size: int, *, strategy: str = "fsdp") -> dict[str, int]:
-    """Check the four degrees against `world_size` and infer the one left at -1; the fixes a
+    """Check the degrees against `world_size` and infer the one left at -1; the fixes a
     message proposes are ones `strategy` allows."""
     check_world_size(world_size)
     for name in DEGREES:
@@ -106,7 +110,7 @@ def resolve_degrees(degrees: dict[str, int], world_size: int, *, strategy: str =
     product = prod(out[n] for n in DEGREES)
     if product != world_size:
         text = " x ".join(f"parallel.{n}={out[n]}" for n in DEGREES)
-        free = [n for n in DEGREES if strategy != "ddp" or n not in ("dp_shard", "tp")]
+        free = [n for n in DEGREES if strategy != "ddp" or n not in ("dp_shard", "cp", "tp")]
         fits = [f"parallel.{n}={world_size // others}" for n in free
                 if world_size % (others := prod(out[m] for m in DEGREES if m != n)) == 0]
         hint = f"e.g. {' or '.join(fits)}, " if fits else ""
@@ -130,6 +134,35 @@ def check_tp_features(tp: int, pp: int, sequence_parallel: bool, loss_parallel: 
     if pp > 1:
         raise ConfigError(f"{keys} {'does' if one else 'do'} not compose with parallel.pp={pp} (pipeline "
                           f"stages send plain tensors); turn {'it' if one else 'them'} off or set parallel.pp=1")
+
+
+def check_context_parallel(cp: int, *, pp: int = 1, seq_len: int = 0) -> None:
+    """Context parallel splits each sequence over the cp ranks, two chunks each (head-tail load
+    balancing: chunk r and chunk 2*cp-1-r of 2*cp, so every rank holds as much of the causal mask).
+    The pipeline's stages take no token positions. A degree of -1 is not known yet; seq_len 0 =
+    not known here."""
+    if cp <= 1:
+        return
+    if pp > 1:
+        raise ConfigError(f"parallel.cp={cp} does not compose with parallel.pp={pp} (pipeline stages pass no "
+                          "token positions between them); set parallel.pp=1 or parallel.cp=1")
+    if seq_len and seq_len % (2 * cp):
+        step = 2 * cp
+        near = sorted({max(step, seq_len - seq_len % step), seq_len - seq_len % step + step})
+        raise ConfigError(f"data.seq_len={seq_len} must divide into 2 x parallel.cp = {step} equal chunks "
+                          f"(head-tail load balancing gives each cp rank two); e.g. data.seq_len="
+                          f"{' or '.join(map(str, near))}")
+
+
+def check_cp_model(cp: int, *, hf: str = "", factory: str = "") -> None:
+    """Context parallel rewrites the built-in model's attention into a ring and gives its RoPE the
+    positions of this rank's tokens; a Hugging Face or user model's attention and positions are
+    its own, so they cannot be split (yet)."""
+    if cp <= 1 or not (hf or factory):
+        return
+    what = f"model.hf={hf!r}" if hf else f"model.factory={factory!r}"
+    raise ConfigError(f"parallel.cp={cp} splits the sequence of the built-in model only (its attention runs as a "
+                      f"ring and its RoPE takes each rank's positions); {what} is not split; set parallel.cp=1")
 
 
 def check_hf_tp(hf: str, sequence_parallel: bool, styles: dict[str, str], supported: tuple[str, ...],
@@ -192,9 +225,10 @@ def check_optimizer_shards(name: str, implementation: str) -> None:
 
 
 def shards_parameters(strategy: str, degrees: dict[str, int]) -> bool:
-    """Whether a layout makes parameters DTensors: FSDP sharding or TP (-1 counts as more than 1)."""
+    """Whether a layout makes parameters DTensors: FSDP sharding, CP (sharded with it) or TP (-1
+    counts as more than 1)."""
     out = strategy_degrees(strategy, degrees)
-    return strategy == "fsdp" and (out["dp_shard"] != 1 or out["tp"] != 1)
+    return strategy == "fsdp" and (out["dp_shard"] != 1 or out.get("cp", 1) != 1 or out["tp"] != 1)
 
 
 def model_shape_of(args: Any) -> dict[str, Any]:
@@ -257,16 +291,19 @@ def model_fits(*, tp: int, pp: int, n_heads: int, n_kv_heads: int, n_layers: int
             and not (pp > 1 and tie_embeddings))
 
 
-def check_compile(compile_on: bool, tp: int, sequence_parallel: bool) -> None:
-    """torch 2.13: a compiled TP block fed plain tensors loses the DTensor gradient in backward."""
+def check_compile(compile_on: bool, tp: int, sequence_parallel: bool, cp: int = 1) -> None:
+    """torch 2.13: a compiled TP block fed plain tensors loses the DTensor gradient in backward;
+    context parallel's ring attention (collectives in an autograd.Function) is not compiled."""
     require("train.compile", not (compile_on and tp > 1 and not sequence_parallel),
             "false with parallel.tp > 1 unless parallel.sequence_parallel=true", compile_on)
+    require("train.compile", not (compile_on and cp != 1),
+            f"false with parallel.cp={cp} (the ring attention runs eagerly)", compile_on)
 
 
-def check_replica_groups(mode: str, strategy: str, tp: int, pp: int) -> None:
+def check_replica_groups(mode: str, strategy: str, tp: int, pp: int, cp: int = 1) -> None:
     """torchft replica groups (fault.mode) are data-parallel groups, DDP or FSDP (HSDP across the
-    groups) inside: no TP or PP."""
-    for key, value in (("parallel.tp", tp), ("parallel.pp", pp)):
+    groups) inside: no TP, PP or CP."""
+    for key, value in (("parallel.tp", tp), ("parallel.pp", pp), ("parallel.cp", cp)):
         if value != 1:
             raise ConfigError(f"{mode} runs data-parallel replica groups only, got {key} = {value}; "
                               f"set {key} = 1, or fault.mode = 'exact'")

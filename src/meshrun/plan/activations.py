@@ -15,6 +15,8 @@ after the weight), which TP leaves whole; sequence parallel splits the norms' fi
 and saves the all-gathered linear inputs whole: sb(2(2h + 1)/tp + 2h). Times the element
 size (4 fp32, 2 bf16). The last stage adds the final norm and the cross entropy's fp32
 log-softmax (sbV, split by tp only with loss parallel); both ends add the int64 ids.
+Context parallel divides the tokens by cp: a rank saves q, k, v, the output and the logsumexp
+of its own tokens only (the ring's keys and values from other ranks are not kept).
 Pipeline parallel counts the micro-batches a rank holds at once under its schedule (GPipe
 and looped BFS: all; 1F1B: pp - rank; interleaved 1F1B: torch's warm-up + 1; interleaved
 zero bubble: torch's own action order, where W frees only what weight gradients read).
@@ -145,7 +147,7 @@ def activation_bytes(args: ModelArgs, dims: ParallelDims, *, batch_size: int, se
     micro = pp_microbatches or (num_stages if dims.pp > 1 else 1)
     if batch_size % micro:  # the run itself refuses this (resolve_pipeline); count the whole batch
         micro = 1
-    tokens = batch_size // micro * seq_len
+    tokens = batch_size // micro * seq_len // dims.cp  # a cp rank holds seq_len / cp of each sequence
     blocks = [0] * num_stages
     for i in range(args.n_layers):
         blocks[stage_of_block(i, args.n_layers, num_stages)] += 1

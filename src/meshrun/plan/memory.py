@@ -10,10 +10,12 @@ What is counted, per rank, on the most-loaded rank (the largest shard, the fulle
 - grads: one fp32 gradient per parameter element, sharded like the parameter.
 - optim: AdamW's exp_avg and exp_avg_sq (fp32, like the parameter) plus its 4-byte `step`
   tensor per parameter tensor (torch.optim.AdamW, non-capturable).
-- fsdp_buffers: with dp_shard > 1, the all-gathered (unsharded) parameters of two blocks,
-  the one computing and the one prefetched (FSDP2's default of one block ahead).
+- fsdp_buffers: with dp_shard > 1 (or cp > 1, sharded with it), the all-gathered (unsharded)
+  parameters of two blocks, the one computing and the one prefetched (FSDP2's default of one
+  block ahead).
 - activations: the peak bytes autograd holds saved for backward on the fullest pipeline rank,
-  for ``batch_size`` x ``seq_len`` per data-parallel rank (`meshrun.plan.activations`).
+  for ``batch_size`` x ``seq_len`` per data-parallel rank (`meshrun.plan.activations`); a cp
+  rank holds seq_len / cp of each sequence.
 Checked against the measurement in one process (tests/unit/test_plan.py) and per rank for every
 layout of tests/e2e/test_parallel_matrix.py (within 1%, zero bubble 11%).
 """
@@ -59,7 +61,8 @@ class MemoryEstimate:
     @property
     def layout(self) -> str:
         d = self.dims
-        return f"dp_replicate={d.dp_replicate} dp_shard={d.dp_shard} tp={d.tp} pp={d.pp}"
+        cp = f" cp={d.cp}" if d.cp > 1 else ""
+        return f"dp_replicate={d.dp_replicate} dp_shard={d.dp_shard}{cp} tp={d.tp} pp={d.pp}"
 
 
 def state_bytes(args: ModelArgs, dims: ParallelDims,
@@ -79,7 +82,7 @@ def state_bytes(args: ModelArgs, dims: ParallelDims,
                 full[p.tp_dim] = -(-full[p.tp_dim] // dims.tp)
             block_full[block] = block_full.get(block, 0) + prod(full)
     numel, tensors = max(per_stage)
-    buffers = 2 * 4 * max(block_full.values(), default=0) if dims.dp_shard > 1 else 0
+    buffers = 2 * 4 * max(block_full.values(), default=0) if dims.fsdp_enabled else 0
     return 4 * numel, 4 * numel, 2 * 4 * numel + ADAM_STEP_BYTES * tensors, buffers
 
 
@@ -100,10 +103,11 @@ def estimate(args: ModelArgs, dims: ParallelDims, *, batch_size: int, seq_len: i
     return MemoryEstimate(dims, params, grads, optim, buffers, acts)
 
 
-def layouts(args: ModelArgs, world_size: int) -> list[ParallelDims]:
+def layouts(args: ModelArgs, world_size: int, seq_len: int = 0) -> list[ParallelDims]:
     """Every (dp_replicate, dp_shard, tp, pp) with product world_size that the layout rules accept
     for `args` (`rules.model_fits`: tp divides n_heads and n_kv_heads, pp <= n_layers, no pp with
-    tied embeddings)."""
+    tied embeddings). With a `seq_len`, also the context-parallel ones: cp > 1 dividing the
+    ranks left, seq_len divisible by 2 x cp, no pp (`rules.check_context_parallel`)."""
     check_world_size(world_size)
     found = divisors(world_size)
     out = []
@@ -116,6 +120,10 @@ def layouts(args: ModelArgs, world_size: int) -> list[ParallelDims]:
             rest = world_size // (pp * tp)
             for dp_shard in (d for d in found if rest % d == 0):
                 out.append(ParallelDims(rest // dp_shard, dp_shard, tp, pp, world_size=world_size))
+            if seq_len and pp == 1:
+                for cp in (d for d in found if d > 1 and rest % d == 0 and seq_len % (2 * d) == 0):
+                    for dp_shard in (d for d in found if rest // cp % d == 0):
+                        out.append(ParallelDims(rest // cp // dp_shard, dp_shard, tp, pp, world_size=world_size, cp=cp))
     return out
 
 
@@ -138,23 +146,25 @@ REPLICATE_BELOW = 2**30
 
 
 def rank_key(est: MemoryEstimate) -> tuple:
-    """The ranking rule: layouts that fit first; then the least model parallelism (tp x pp, as
-    TP puts collectives inside every block and PP adds a pipeline bubble, while FSDP's traffic
-    overlaps with compute), PP after TP at equal products; then, for a model whose training state
+    """The ranking rule: layouts that fit first; then the least model parallelism (tp x pp x cp, as
+    TP puts collectives inside every block, PP adds a pipeline bubble and CP sends keys and values
+    round a ring in every block, while FSDP's traffic overlaps with compute), PP after TP at equal
+    products; then, for a model whose training state
     is under REPLICATE_BELOW, the least sharding (plain DDP); then the least total memory per
     rank; then fewer replicas (more sharding) as the tie-break."""
     d = est.dims
-    state = (est.params + est.grads + est.optim) * d.dp_shard * d.tp * d.pp  # unsharded, roughly
+    state = (est.params + est.grads + est.optim) * d.dp_shard * d.cp * d.tp * d.pp  # unsharded, roughly
     small = state < REPLICATE_BELOW
-    return (est.fits is False, d.tp * d.pp, d.pp, d.dp_shard if small else 0, est.total, d.dp_replicate)
+    return (est.fits is False, d.tp * d.pp * d.cp, d.pp, d.dp_shard if small else 0, est.total, d.dp_replicate)
 
 
 def candidates(args: ModelArgs, *, world_size: int, batch_size: int, seq_len: int,
                dtype: str = "fp32", activation_checkpointing: bool = False,
-               device_memory: int | None = None) -> Plan:
-    """Estimate every layout of `world_size` ranks and rank them with `rank_key`."""
+               device_memory: int | None = None, context_parallel: bool = False) -> Plan:
+    """Estimate every layout of `world_size` ranks and rank them with `rank_key`;
+    `context_parallel` adds the layouts that split the sequence."""
     dtype_bytes(dtype)
-    found = layouts(args, world_size)
+    found = layouts(args, world_size, seq_len if context_parallel else 0)
     if not found:  # only when no tp/pp fits the model, e.g. world 1 always has (1, 1, 1, 1)
         raise ConfigError(f"no layout of {world_size} ranks fits model heads/layers")
     shapes = param_shapes(args)

@@ -13,6 +13,8 @@ change there must be made here too):
 - dp_shard (`meshrun.parallel.fsdp`, FSDP2 ``fully_shard``): every parameter's dim 0 is sharded
   over dp_shard (Shard(0)), after TP: a tp-sharded dim 0 is split again (torch calls this
   _StridedShard). Uneven dims follow ``torch.chunk``: the last ranks may hold fewer rows.
+- cp (`meshrun.parallel.context`): FSDP shards over dp_shard x cp together (the flattened
+  "dp_shard_cp" axis, dp_shard major), so both axes show Shard(0).
 - dp_replicate: Replicate (DDP, or HSDP's replica axis).
 - pp: a balanced split by blocks (stage k holds blocks [k*L//pp, (k+1)*L//pp)); the embedding
   sits on the first stage, the final norm and output on the last. Ranks of other stages hold
@@ -46,15 +48,16 @@ class ParamPlacement:
     tp_dim: int | None
     """Tensor dim split over tp, or None."""
     fsdp: bool
-    """Whether dim 0 is split over dp_shard."""
+    """Whether dim 0 is split over dp_shard (x cp)."""
 
     def local_shape(self, tp_index: int, dp_shard_index: int, dims: ParallelDims) -> tuple[int, ...]:
-        """The shape rank (tp_index, dp_shard_index) holds: tp split first, then FSDP's dim 0."""
+        """The shape rank (tp_index, dp_shard_index) holds: tp split first, then FSDP's dim 0;
+        with cp > 1, dp_shard_index is the rank's index on dp_shard x cp (dp_shard major)."""
         shape = list(self.shape)
         if self.tp_dim is not None and dims.tp > 1:
             shape[self.tp_dim] = chunk_len(shape[self.tp_dim], dims.tp, tp_index)
         if self.fsdp and shape:
-            shape[0] = chunk_len(shape[0], dims.dp_shard, dp_shard_index)
+            shape[0] = chunk_len(shape[0], dims.dp_shard * dims.cp, dp_shard_index)
         return tuple(shape)
 
     def max_local_numel(self, dims: ParallelDims) -> int:
@@ -104,10 +107,11 @@ def place(name: str, shape: tuple[int, ...], args: ModelArgs, dims: ParallelDims
     else:  # the final norm
         stages = (dims.pp - 1,)
     stages = tuple(sorted(set(stages)))
-    fsdp = dims.dp_shard > 1
+    fsdp = dims.fsdp_enabled
     placements = {
         "dp_replicate": "Replicate()",
         "dp_shard": "Shard(0)" if fsdp else "Replicate()",
+        **({"cp": "Shard(0)"} if dims.cp_enabled else {}),
         "tp": f"Shard({tp_dim})" if tp_dim is not None and dims.tp > 1 else "Replicate()",
     }
     return ParamPlacement(name, shape, stages, placements, tp_dim if dims.tp > 1 else None, fsdp)
@@ -135,7 +139,8 @@ def local_shapes(p: ParamPlacement, dims: ParallelDims) -> list[tuple[int, ...] 
     out: list[tuple[int, ...] | None] = []
     for rank in range(dims.world_size):
         c = rank_coords(rank, dims)
-        out.append(p.local_shape(c["tp"], c["dp_shard"], dims) if c["pp"] in p.stages else None)
+        shard = c["dp_shard"] * dims.cp + c["cp"]
+        out.append(p.local_shape(c["tp"], shard, dims) if c["pp"] in p.stages else None)
     return out
 
 
@@ -157,7 +162,7 @@ def _shape_text(shape: tuple[int, ...]) -> str:
 
 def format_show(args: ModelArgs, dims: ParallelDims) -> str:
     """The `meshrun plan --show` report: one line per parameter."""
-    axes = [a for a in ("dp_replicate", "dp_shard", "tp") if getattr(dims, a) > 1] or ["dp_replicate"]
+    axes = [a for a in ("dp_replicate", "dp_shard", "cp", "tp") if getattr(dims, a) > 1] or ["dp_replicate"]
     lines = [f"layout: {dims.describe()}   mesh axes (outer -> inner): "
              + ", ".join(f"{a}={getattr(dims, a)}" for a in MESH_AXES),
              "placements on " + ", ".join(axes) + "; local shape -> ranks that hold it"]

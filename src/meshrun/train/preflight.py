@@ -91,7 +91,7 @@ def check_with_torch(cfg: JobConfig, *, nproc_per_node: str, nnodes: str = "1") 
         from meshrun.parallel.compile import check_compiler, layout_allows
 
         check_compiler(True)
-        layout_allows(True, cfg.parallel.tp, cfg.parallel.sequence_parallel)
+        layout_allows(True, cfg.parallel.tp, cfg.parallel.sequence_parallel, cfg.parallel.cp)
     _check_checkpoints(cfg, tokenizer.vocab_size)
 
 
@@ -131,7 +131,7 @@ def check_fault(cfg: JobConfig, *, nnodes: str = "1") -> None:
     mode = "fault.mode = 'torchft'"
     from meshrun.parallel.rules import check_replica_groups
 
-    check_replica_groups(mode, cfg.parallel.strategy, cfg.parallel.tp, cfg.parallel.pp)
+    check_replica_groups(mode, cfg.parallel.strategy, cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.cp)
     if cfg.train.dtype == "fp16":
         raise ConfigError(f"{mode} does not take train.dtype = 'fp16' (a group's skipped overflow steps "
                           "would not match its peers'); use 'bf16' or 'fp32', or fault.mode = 'exact'")

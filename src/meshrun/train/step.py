@@ -1,7 +1,10 @@
 """One optimizer step: micro-batches with gradient accumulation, autocast, clipping.
 
 DDP all-reduces gradients in every backward unless told not to; `no_sync()` on all but the
-last micro-batch makes accumulation cost one all-reduce per optimizer step. Under pipeline
+last micro-batch makes accumulation cost one all-reduce per optimizer step. Under context
+parallel each micro-batch's forward and backward run inside `ContextParallel.step`, on this
+rank's share of the sequence: its loss is the mean over its tokens, and every cp rank holds as
+many, so FSDP's average over dp_shard x cp is the mean over every token. Under pipeline
 parallel (`train_step_pp`) the schedule runs forward and backward of every micro-batch
 itself, only the last stage sees the loss, and the grad norm combines the stages.
 """
@@ -18,15 +21,25 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from meshrun.parallel.context import ContextParallel
 from meshrun.parallel.layout import BuiltLayout
 from meshrun.parallel.parallelize import clip_grad_norm_ as clip_dtensor_grad_norm_
 from meshrun.train.precision import LossScaler, autocast_context
 
 
-def lm_loss(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross entropy over every position of the batch."""
-    logits = model(inputs)
+def lm_loss(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor,
+            positions: torch.Tensor | None = None) -> torch.Tensor:
+    """Mean next-token cross entropy over every position of the batch; `positions` are the
+    columns' sequence positions when they are not 0..T-1 (context parallel)."""
+    logits = model(inputs) if positions is None else model(inputs, positions=positions)
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
+def sequence_context(cp: ContextParallel | None, inputs: torch.Tensor, targets: torch.Tensor):
+    """(inputs, targets, positions) of this rank: all of them, or its cp share with the ring on."""
+    if cp is None:
+        return contextlib.nullcontext((inputs, targets, None))
+    return cp.step(inputs, targets)
 
 
 def _loss_parallel_context(on: bool):
@@ -42,9 +55,10 @@ def mean_loss_across_ranks(value: torch.Tensor, world_size: int, pp: int = 1) ->
     """The loss every rank logs: this step's loss averaged over the data-parallel ranks.
 
     One all-reduce over the world. Ranks that do not see the loss (pipeline stages other than
-    the last) pass 0; tp ranks of one stage hold the same value. So the sum counts each dp
-    rank's loss tp times, and world_size / pp = dp x tp is the right divisor in every layout
-    (plain world averaging, right for DDP/FSDP/TP, would divide by pp too many).
+    the last) pass 0; tp ranks of one stage hold the same value; cp ranks each the mean over
+    their own, equally many, tokens. So the sum counts each dp rank's loss tp times over its cp
+    shares, and world_size / pp = dp x cp x tp is the right divisor in every layout (plain world
+    averaging, right for DDP/FSDP/TP/CP, would divide by pp too many).
     """
     if world_size > 1:
         import torch.distributed as dist
@@ -70,6 +84,7 @@ def train_step(
     loss_parallel: bool = False,
     need_grad_norm: bool = True,
     scaler: LossScaler | None = None,
+    context_parallel: ContextParallel | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, float]:
     """Run `grad_accum` micro-batches and one optimizer step.
 
@@ -93,11 +108,11 @@ def train_step(
         if hasattr(model, "set_requires_gradient_sync"):  # FSDP2: reduce-scatter on the last only
             model.set_requires_gradient_sync(last)
         sync = contextlib.nullcontext() if last or not hasattr(model, "no_sync") else model.no_sync()
-        with sync:
+        with sync, sequence_context(context_parallel, inputs, targets) as (inputs, targets, positions):
             started = time.perf_counter()
             with _loss_parallel_context(loss_parallel):
                 with autocast_context(device, dtype):
-                    loss = lm_loss(model, inputs, targets) / grad_accum
+                    loss = lm_loss(model, inputs, targets, positions) / grad_accum
                 forward_s += time.perf_counter() - started
                 (scaler.scale(loss) if scaler is not None else loss).backward()
         if isinstance(loss, DTensor):
@@ -186,7 +201,7 @@ def evaluate_pp(pipeline, batches, *, steps: int, device: torch.device, dtype: s
 
 @torch.no_grad()
 def evaluate(model: nn.Module, batches, *, steps: int, device: torch.device, dtype: str,
-             loss_parallel: bool = False) -> torch.Tensor:
+             loss_parallel: bool = False, context_parallel: ContextParallel | None = None) -> torch.Tensor:
     """Mean loss of this rank over up to `steps` held-out batches (caller averages across ranks)."""
     was_training = model.training
     model.eval()
@@ -194,8 +209,10 @@ def evaluate(model: nn.Module, batches, *, steps: int, device: torch.device, dty
     for i, (inputs, targets) in enumerate(batches):
         if i >= steps:
             break
-        with _loss_parallel_context(loss_parallel), autocast_context(device, dtype):
-            loss = lm_loss(model, inputs.to(device), targets.to(device))
+        split = sequence_context(context_parallel, inputs.to(device), targets.to(device))
+        with split as (inputs, targets, positions), _loss_parallel_context(loss_parallel), \
+                autocast_context(device, dtype):
+            loss = lm_loss(model, inputs, targets, positions)
         total += loss.full_tensor() if isinstance(loss, DTensor) else loss
         count += 1
     model.train(was_training)
@@ -219,7 +236,7 @@ def layout_step(layout: BuiltLayout, optimizers: list[torch.optim.Optimizer], ba
         assert scaler is None, "fp16 under pp is refused by meshrun.parallel.rules.check_precision"
         return train_step_pp(layout.pipeline, optimizers, batches, pp_group=layout.pp_group, **common)
     return train_step(layout.parts[0], optimizers[0], batches, loss_parallel=layout.loss_parallel,
-                      scaler=scaler, **common)
+                      scaler=scaler, context_parallel=layout.context_parallel, **common)
 
 
 def layout_evaluate(layout: BuiltLayout, batches, *, steps: int, dtype: str) -> float:
@@ -228,7 +245,7 @@ def layout_evaluate(layout: BuiltLayout, batches, *, steps: int, dtype: str) -> 
         local = evaluate_pp(layout.pipeline, batches, steps=steps, device=layout.device, dtype=dtype)
     else:
         local = evaluate(layout.parts[0], batches, steps=steps, device=layout.device, dtype=dtype,
-                         loss_parallel=layout.loss_parallel)
+                         loss_parallel=layout.loss_parallel, context_parallel=layout.context_parallel)
     return layout_mean_loss(layout, local)
 
 
