@@ -156,9 +156,9 @@ def _warm_server(env: dict[str, str]):
 
     with _WARM_LOCK:
         server = _start_warm()
-        if import_sensitive_change(server.env, env):
-            return None
         server.wait_ready()
+        if import_sensitive_change(server.env, env, server.imported):
+            return None
     return server
 
 

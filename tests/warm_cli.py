@@ -33,13 +33,19 @@ from pathlib import Path
 # An environment that differs from the server's in one of these may change what an import did
 # (threads, logging, caches, the search path): such a command runs as a new process.
 IMPORT_SENSITIVE = ("OMP_", "MKL_", "KMP_", "GOMP_", "OPENBLAS", "TORCH", "PYTORCH", "PYTHON", "LD_", "CUDA",
-                    "NCCL", "GLOO", "HF_", "TRANSFORMERS", "TOKENIZERS", "MALLOC", "LC_", "LANG")
+                    "NCCL", "GLOO", "MALLOC", "LC_", "LANG")
+# These only where the server imported the module that reads them (it imports none of them today;
+# tests set HF_HUB_OFFLINE for the whole session once they build a Hugging Face model).
+SENSITIVE_IF_IMPORTED = {"HF_": "huggingface_hub", "TRANSFORMERS": "transformers", "TOKENIZERS": "tokenizers"}
 
 
-def import_sensitive_change(server_env: dict[str, str], env: dict[str, str]) -> str | None:
-    """The first variable, by name, that differs between the two environments and could change an import."""
+def import_sensitive_change(server_env: dict[str, str], env: dict[str, str],
+                            imported: frozenset[str] = frozenset(SENSITIVE_IF_IMPORTED.values())) -> str | None:
+    """The first variable, by name, that differs between the two environments and could change an
+    import (`imported`: which of SENSITIVE_IF_IMPORTED's modules the server has imported)."""
+    prefixes = IMPORT_SENSITIVE + tuple(p for p, module in SENSITIVE_IF_IMPORTED.items() if module in imported)
     for key in sorted(set(server_env) | set(env)):
-        if key.startswith(IMPORT_SENSITIVE) and server_env.get(key) != env.get(key):
+        if key.startswith(prefixes) and server_env.get(key) != env.get(key):
             return key
     return None
 
@@ -66,7 +72,7 @@ def _serve(path: str) -> None:
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path)
     listener.listen(16)
-    print("ready", flush=True)
+    print("ready", json.dumps(sorted(m for m in SENSITIVE_IF_IMPORTED.values() if m in sys.modules)), flush=True)
     waiting: dict[int, socket.socket] = {}  # pid -> its client's connection
     while True:
         ready, _, _ = select.select([listener, wake_r, *waiting.values()], [], [])
@@ -188,9 +194,11 @@ class WarmServer:
             return
         ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
         line = self.proc.stdout.readline() if ready else b""
-        if line.strip() != b"ready":
+        word, _, loaded = line.decode().strip().partition(" ")
+        if word != "ready":
             self.stop()
             raise RuntimeError(f"the warm meshrun server did not start: {(self.workdir / 'warm.err').read_text()[-2000:]}")
+        self.imported = frozenset(json.loads(loaded))
         self.ready = True
 
     def run(self, argv: list[str], env: dict[str, str], cwd: str, stdout: str, stderr: str,

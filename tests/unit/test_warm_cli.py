@@ -43,6 +43,8 @@ def test_an_import_sensitive_environment_runs_cold():
     assert _warm_server(child_env()) is not None
     assert _warm_server(child_env({"OMP_NUM_THREADS": "3"})) is None
     assert _warm_server(child_env({"TORCH_LOGS": "+dynamo"})) is None
+    # the server imports no Hugging Face module, so their variables change nothing (tests set them)
+    assert _warm_server(child_env({"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})) is not None
     assert _warm_server(child_env(COLD)) is None
 
 

@@ -231,10 +231,13 @@ class Replica:
                 ledger.record_event(self.records, "heal", group=self.group, from_step=healed, to_step=state.step,
                                     seconds=round(time.time() - started, 4))
         self._resplit(state.train_loader, size * self.group_size, rank * self.group_size + self.local_rank)
-        if size != self._quorum_size or healed is not None:
+        # A new quorum: its size changed, this group healed, or its members did (a replacement joined
+        # while this group's quorum never shrank: torchft's quorum id, private, read where it exists).
+        quorum = (size, getattr(self.manager, "_quorum_id", None))
+        if quorum != self._quorum_size or healed is not None:
             self.quorums += 1
             self._fingerprint_next = True
-            self._quorum_size = size
+            self._quorum_size = quorum
             if metrics is not None:
                 metrics.log_meta(event="torchft_quorum", step=state.step + 1, group=self.group, quorum_size=size,
                                  participating_rank=rank, healed=healed is not None, heals=self.heals)
