@@ -11,9 +11,10 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.meshrun-installed
 DEV_STAMP := $(VENV)/.meshrun-dev-installed
 PYTEST_ARGS ?=
-# The suite runs on 2 pytest-xdist workers, a whole file per worker (module fixtures share one
-# run); TEST_WORKERS=0 runs it in this process, one test after another.
-TEST_WORKERS ?= 2
+# The suite runs on 3 pytest-xdist workers on 2 cores, a whole file per worker (module fixtures
+# share one run): with 2, one core idled ~150 s of a run while a worker waited (a hang bound, a
+# node's rejoin); TEST_WORKERS=0 runs it in this process, one test after another.
+TEST_WORKERS ?= 3
 
 .PHONY: run guide test setup lint bench clean
 

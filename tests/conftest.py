@@ -33,7 +33,7 @@ LAUNCHER_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER
 
 
 def pytest_configure(config) -> None:
-    """Under pytest-xdist (`make test` runs 2 workers), each worker picks its store ports from its
+    """Under pytest-xdist (`make test` runs 3 workers), each worker picks its store ports from its
     own range (meshrun.testing.ports): two workers can never pick the same port at once."""
     worker = os.environ.get("PYTEST_XDIST_WORKER", "")
     if worker.startswith("gw") and PORT_RANGE_VAR not in os.environ:
@@ -84,6 +84,8 @@ def pytest_sessionfinish(session) -> None:
                 out.write(json.dumps({"file": name, "wall_s": round(wall, 2), "cpu_s": round(used, 2),
                                       "worker": os.environ.get("PYTEST_XDIST_WORKER", ""),
                                       "start": round(start, 1), "end": round(end, 1)}) + "\n")
+            out.write(json.dumps({"file": "(meshrun commands)", **_WARM_COUNTS,
+                                  "worker": os.environ.get("PYTEST_XDIST_WORKER", "")}) + "\n")
 
 
 def free_port() -> int:
@@ -130,6 +132,8 @@ def run_proc(cmd: list[str], *, timeout: float = 120, cwd: Path | str | None = N
     environment allows, else (and with MESHRUN_TEST_WARM=0) as a new process."""
     full_env = child_env(env)
     warm = _warm_server(full_env) if cmd and cmd[0] == str(BIN / "meshrun") else None
+    if cmd and cmd[0] == str(BIN / "meshrun"):
+        _WARM_COUNTS["warm" if warm is not None else "cold"] += 1
     if warm is not None:
         return _run_warm(warm, cmd, timeout, cwd, full_env)
     proc = subprocess.Popen(cmd, cwd=cwd, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -144,6 +148,7 @@ def run_proc(cmd: list[str], *, timeout: float = 120, cwd: Path | str | None = N
 
 
 _WARM: dict[str, object] = {}
+_WARM_COUNTS = {"warm": 0, "cold": 0, "restarts": 0}  # meshrun command lines run_proc ran each way (MESHRUN_SUITE_TIMES)
 _WARM_LOCK = threading.Lock()
 
 
@@ -157,6 +162,13 @@ def _warm_server(env: dict[str, str]):
     with _WARM_LOCK:
         server = _start_warm()
         server.wait_ready()
+        if import_sensitive_change(server.env, child_env(), server.imported):
+            # this process's own environment moved (a test's in-process call set OMP_NUM_THREADS,
+            # TORCHINDUCTOR_*, ...): a new server with it, rather than every later command cold
+            _stop_warm()
+            _WARM_COUNTS["restarts"] += 1
+            server = _start_warm()
+            server.wait_ready()
         if import_sensitive_change(server.env, env, server.imported):
             return None
     return server
@@ -167,8 +179,10 @@ def _start_warm():
 
     if "server" not in _WARM:
         workdir = Path(tempfile.mkdtemp(prefix="meshrun-warm-"))
-        _WARM.update(server=WarmServer(child_env(), workdir), workdir=workdir, count=itertools.count())
-        atexit.register(_stop_warm)
+        if not _WARM:
+            atexit.register(_stop_warm)
+        _WARM.update(server=WarmServer(child_env(), workdir), workdir=workdir)
+        _WARM.setdefault("count", itertools.count())
     return _WARM["server"]
 
 
@@ -185,12 +199,12 @@ def _stop_warm() -> None:
     server = _WARM.pop("server", None)
     if server is not None:
         server.stop()
-        shutil.rmtree(_WARM["workdir"], ignore_errors=True)
+        shutil.rmtree(_WARM.pop("workdir"), ignore_errors=True)
 
 
 def _run_warm(server, cmd: list[str], timeout: float, cwd: Path | str | None, env: dict[str, str]) -> Result:
     n = next(_WARM["count"])
-    out, err = _WARM["workdir"] / f"{n}.out", _WARM["workdir"] / f"{n}.err"
+    out, err = server.workdir / f"{n}.out", server.workdir / f"{n}.err"
     code, pid = server.run(list(cmd), env, str(cwd or os.getcwd()), str(out), str(err), timeout)
     if code is None:
         kill_tree(pid)

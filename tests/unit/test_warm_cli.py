@@ -39,8 +39,12 @@ def test_a_command_runs_in_its_own_working_directory(tmp_path):
     assert got.returncode == 0 and re.search(r'^name +=\s*"here"', got.stdout, re.M), got.output
 
 
-def test_an_import_sensitive_environment_runs_cold():
+def test_an_import_sensitive_environment_runs_cold(monkeypatch):
     assert _warm_server(child_env()) is not None
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/tmp/elsewhere")  # this process's own environment moved:
+    moved = _warm_server(child_env())                                # a new server, started with it
+    assert moved is not None and moved.env["TORCHINDUCTOR_CACHE_DIR"] == "/tmp/elsewhere"
+    monkeypatch.undo()
     assert _warm_server(child_env({"OMP_NUM_THREADS": "3"})) is None
     assert _warm_server(child_env({"TORCH_LOGS": "+dynamo"})) is None
     # the server imports no Hugging Face module, so their variables change nothing (tests set them)
