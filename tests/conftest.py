@@ -161,6 +161,9 @@ def _warm_server(env: dict[str, str]):
 
     with _WARM_LOCK:
         server = _start_warm()
+        if server.proc.poll() is not None:  # it died (its stderr: warm.err in its directory): a new one
+            _stop_warm()
+            server = _start_warm()
         server.wait_ready()
         if import_sensitive_change(server.env, child_env(), server.imported):
             # this process's own environment moved (a test's in-process call set OMP_NUM_THREADS,

@@ -14,7 +14,7 @@ script has them, `meshrun.cli.run()`, and an exit status the client reads as Pop
 is negative). The server's only thread runs the loop below; it imports what a `meshrun train`
 launcher imports before it forks its workers' server (meshrun.launch.preload), so that fork is
 safe and cheap. The client waits with a deadline and, past it, kills the command's whole tree by
-pid. The server exits with the pytest process that started it (PR_SET_PDEATHSIG).
+pid. The server exits within a second of the pytest process that started it.
 
 Server: `python warm_cli.py SOCKET` (one per pytest process, started at its first warm command).
 """
@@ -53,9 +53,8 @@ def import_sensitive_change(server_env: dict[str, str], env: dict[str, str],
 # --- the server ----------------------------------------------------------------------------------
 
 def _serve(path: str) -> None:
-    import ctypes
-
-    ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: go with the pytest process
+    parent = os.getppid()  # the pytest process: the loop ends when it does (PR_SET_PDEATHSIG would
+    # fire when the *thread* that started this server ends: a test's thread may start it)
     sys.path[0] = str(Path(sys.executable).parent)  # as the console script has it: not tests/
     import importlib
 
@@ -75,7 +74,9 @@ def _serve(path: str) -> None:
     print("ready", json.dumps(sorted(m for m in SENSITIVE_IF_IMPORTED.values() if m in sys.modules)), flush=True)
     waiting: dict[int, socket.socket] = {}  # pid -> its client's connection
     while True:
-        ready, _, _ = select.select([listener, wake_r, *waiting.values()], [], [])
+        ready, _, _ = select.select([listener, wake_r, *waiting.values()], [], [], 1.0)
+        if os.getppid() != parent:
+            return
         if wake_r in ready:
             os.read(wake_r, 512)
         for pid, conn in list(waiting.items()):

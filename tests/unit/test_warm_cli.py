@@ -10,10 +10,11 @@ deadline its whole tree is killed by pid. An environment that could change an im
 from __future__ import annotations
 
 import re
+import threading
 import time
 
 import pytest
-from conftest import TINY, _warm_server, child_env, meshrun
+from conftest import _WARM_LOCK, TINY, _warm_server, child_env, meshrun
 
 from meshrun.testing.processes import descendants
 
@@ -60,3 +61,21 @@ def test_past_its_deadline_the_whole_tree_is_killed_and_the_test_fails(tmp_path)
     while descendants(server.proc.pid) and time.monotonic() < left:  # the server reaps what was killed
         time.sleep(0.05)
     assert not descendants(server.proc.pid), descendants(server.proc.pid)
+
+
+def test_a_server_started_from_a_thread_outlives_the_thread():
+    """A test's thread may start the server (test_launch's concurrent jobs): it must serve on after
+    that thread ends (a parent-death signal would have killed it with the thread)."""
+    from conftest import _stop_warm
+
+    with _WARM_LOCK:
+        _stop_warm()
+    started = []
+    thread = threading.Thread(target=lambda: started.append(_warm_server(child_env())))
+    thread.start()
+    thread.join()
+    time.sleep(1.5)
+    assert started[0].proc.poll() is None
+    assert _warm_server(child_env()) is started[0]
+    assert meshrun("config", "show", TINY).returncode == 0
+
