@@ -32,8 +32,14 @@ def start_stubborn_child():
     return child
 """
 
+# Every rank's child is up before any rank exits: a rank that exits 3 first would have the agent
+# stop the other before its child started (seen under load: one child recorded of two).
 SCRIPT = START_CHILD + """
 start_stubborn_child()
+out, ranks = os.environ["LEFTOVER_DIR"], int(os.environ["LOCAL_WORLD_SIZE"])
+deadline = time.monotonic() + 60
+while sum(name.isdigit() for name in os.listdir(out)) < ranks and time.monotonic() < deadline:
+    time.sleep(0.02)
 sys.exit(int(sys.argv[1]))
 """
 
