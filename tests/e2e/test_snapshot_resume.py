@@ -30,9 +30,9 @@ KILLS = int(os.environ.get("MESHRUN_SNAPSHOT_KILLS", "20"))  # each costs a rest
 GAP, DISK_EVERY = 6, 10  # steps between kills; disk checkpoints
 # Steps after the last kill's window: on a quiet machine a tiny step takes ~15 ms, and without a
 # tail the run finished before the test could kill it the last times (CI, 4ed6e8a: a margin of 3
-# steps). 60 steps are ~0.9 s on a quiet machine for a poll every 10 ms to see the target step and
+# steps). 150 steps (60 failed beside a 2-process train) are ~2 s on a quiet machine for a poll every 10 ms to see the target step and
 # kill, and a loaded machine slows the steps as much as the poll; each tail step costs both runs.
-TAIL = 60
+TAIL = 150
 STEPS = GAP * KILLS + 4 + TAIL
 DEADLINE_S = 45 + 10 * KILLS  # both runs; about 60 s for 20 kills on a quiet machine
 COMMON = ["--nproc-per-node", "2", "--set", f"train.steps={STEPS}", "--set", "train.eval_interval=0",
