@@ -2,15 +2,17 @@
 
 Twelve tiny random models (tests/hf_zoo.py: Llama, Mistral, Qwen2 with biases, Qwen3, Gemma 3, Phi-3,
 GPT-NeoX, GPT-2, OLMo 2, Mixtral, Qwen2-MoE, OPT), saved with save_pretrained, no hub. One 2-rank launch
-trains each under DDP, FSDP, TP 2 (tp = the world: norms stay plain beside DTensor biases) and PP 2
-(1F1B) through meshrun's own path (build_hf_model on meta, the pre-launch `check_layout`,
+trains each under DDP, FSDP, TP 2 (tp = the world: norms stay plain beside DTensor biases), PP 2
+(1F1B) and CP 2 (context parallel: the sequence split, attention as a ring) through meshrun's own path (build_hf_model on meta, the pre-launch `check_layout`,
 build_layout, load_hf_weights, meshrun's optimizer with the default fused AdamW, layout_step) for
 STEPS steps on one fixed global batch; one 4-rank launch trains one 2-D composition of each (FSDP 2 x
 TP 2, or HSDP 2 x 2 where TP is refused) and two more for the Llama family (FSDP x TP with loss
-parallel, PP with GPipe x FSDP with activation checkpointing). Against single-process
+parallel, PP with GPipe x FSDP with activation checkpointing, and CP 4, CP 2 x FSDP 2, CP 2 x TP 2,
+CP 2 x PP 2). Against single-process
 transformers (AutoModelForCausalLM.from_pretrained, torch's AdamW), the loss every rank logs must
 match at every step within TOL; a layout the structure does not allow must be refused before launch
-in one line, and the fix it names must make the run start: for a tied head under PP,
+in one line (CP: an attention the ring does not compute, a sliding window), and the fix it names
+must make the run start: for a tied head under PP,
 model.tie_embeddings=false, checked against transformers with the head untied the same way.
 
 Export: after FSDP 2 and TP 2, the ranks save the model state with torch.distributed.checkpoint as a
@@ -54,6 +56,7 @@ LAYOUTS_2 = {
     "fsdp": dict(strategy="fsdp", dp_shard=2),
     "tp2": dict(strategy="fsdp", dp_replicate=1, dp_shard=1, tp=2),
     "pp2": dict(strategy="ddp", pp=2, pp_schedule="1f1b"),
+    "cp2": dict(strategy="fsdp", dp_replicate=1, dp_shard=1, cp=2),
 }
 TWO_D = {"fsdp2_tp2": dict(strategy="fsdp", dp_shard=2, tp=2),
          "hsdp2x2": dict(strategy="fsdp", dp_replicate=2, dp_shard=2)}
@@ -61,6 +64,11 @@ LLAMA_4 = {  # the compositions beyond the matrix the Llama family was proven un
     # GPT-2's and OPT's 2-D column, PP x DDP is PP 2 x the DDP column
     "fsdp2_tp2_loss_parallel": dict(strategy="fsdp", dp_shard=2, tp=2, loss_parallel=True),
     "pp2_gpipe_fsdp2_ac": dict(strategy="fsdp", dp_shard=2, pp=2, pp_schedule="gpipe", activation_checkpointing=True),
+    # context parallel with each other dimension (the cp2 column is the 2-rank one)
+    "cp4": dict(strategy="fsdp", dp_replicate=1, dp_shard=1, cp=4),
+    "cp2_fsdp2": dict(strategy="fsdp", dp_replicate=1, dp_shard=2, cp=2),
+    "cp2_tp2": dict(strategy="fsdp", dp_replicate=1, dp_shard=1, cp=2, tp=2),
+    "cp2_pp2": dict(strategy="fsdp", dp_replicate=1, dp_shard=1, cp=2, pp=2, pp_schedule="1f1b"),
 }
 EXPORTED = ("fsdp", "tp2")
 
@@ -81,6 +89,7 @@ def _train(hf_dir: str, options: dict, world: int, *, tie: bool | None = None, e
     """meshrun's path, as the trainer takes it. {"losses": [...]} or {"refused": line}."""
 
     from meshrun.models.hf import build_hf_model
+    from meshrun.models.hf_config import check_hf_context_parallel
     from meshrun.models.hf_load import load_hf_weights
     from meshrun.models.meta import on_meta
     from meshrun.parallel.layout import build_layout
@@ -90,12 +99,13 @@ def _train(hf_dir: str, options: dict, world: int, *, tie: bool | None = None, e
 
     with on_meta():
         model = build_hf_model(hf_dir, seed=7, tie_embeddings=tie)
-    tp, pp = options.get("tp", 1), options.get("pp", 1)
-    dp = world // (tp * pp)
+    tp, pp, cp = options.get("tp", 1), options.get("pp", 1), options.get("cp", 1)
+    dp = world // (tp * pp * cp)
     try:
         resolved = resolve_layout(ParallelOptions(**options, batch_size=GLOBAL_BATCH // dp), world,
                                   ModelShape.from_model(model))
         model.check_layout(tp, pp)  # what `meshrun train` checks before launch
+        check_hf_context_parallel(hf_dir, cp)
     except ConfigError as exc:
         return {"refused": str(exc)}
     layout = build_layout(model, resolved, device=torch.device("cpu"), seed=7)
@@ -232,8 +242,11 @@ def test_two_rank_layouts_match_transformers_or_are_refused_with_a_fix_that_work
             cells[name] = _check(runs2, key, references[arch])
             continue
         line = got["refused"]
-        assert "\n" not in line and f"parallel.{'tp' if name == 'tp2' else 'pp'}" in line, line
-        if name == "pp2":  # tied head: the named fix, checked against transformers untied the same way
+        assert "\n" not in line and f"parallel.{name[:2]}" in line, line
+        if name == "cp2":  # an attention the ring does not compute (a window): before launch, cp=1 named
+            assert "set parallel.cp=1" in line and "config.json" in line, line
+            cells[name] = "refused: " + line.split("config.json ", 1)[1].split(" (", 1)[0]
+        elif name == "pp2":  # tied head: the named fix, checked against transformers untied the same way
             assert "model.tie_embeddings=false" in line and "fixed" in got, line
             ref = _reference(zoo[arch], untie=True)
             for rank, result in enumerate(runs2):

@@ -1,7 +1,7 @@
 """`meshrun train --set model.hf=DIR` end to end through the CLI, against plain `transformers`.
 
 Tiny models saved with save_pretrained (conftest.save_tiny_hf), on 1 and 2 processes: one process
-(tied Qwen3) and FSDP 2 with its export (every other layout, and 2-D compositions on 4 ranks, run
+(tied Qwen3), context parallel 2 (Llama) and FSDP 2 with its export (every other layout, and 2-D compositions on 4 ranks, run
 in-process over twelve architectures in tests/distributed/test_hf_matrix.py; PP 2 through the CLI
 in test_refusals_name_a_fix_and_the_fix_runs below). Each run trains STEPS steps on
 the built-in corpus and logs the loss every step; the reference trains the single-process
@@ -32,7 +32,7 @@ ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 
 
 def _train(tmp_path, name: str, hf_dir, nproc: int, *sets: str):
-    dp = nproc // (2 if "parallel.tp=2" in sets or "parallel.pp=2" in sets else 1)
+    dp = nproc // (2 if any(f"parallel.{dim}=2" in sets for dim in ("tp", "pp", "cp")) else 1)
     args = ["train", "--set", f"model.hf={hf_dir}", "--set", f"train.run_dir={tmp_path}",
             "--set", f"train.name={name}", "--set", f"train.batch_size={GLOBAL_BATCH // dp}",
             "--nproc-per-node", str(nproc), *COMMON]
@@ -79,6 +79,7 @@ def hf_dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("hf")
     dirs = {family: save_tiny_hf(root / family, family) for family in ("llama", "qwen3")}
     dirs["gpt2"] = hf_zoo.save_tiny(root / "gpt2", "gpt2")  # no base_model_tp_plan, a tied head
+    dirs["mistral"] = hf_zoo.save_tiny(root / "mistral", "mistral")  # a sliding window context parallel refuses
     return dirs
 
 
@@ -86,9 +87,10 @@ def hf_dirs(tmp_path_factory):
 RUNS = {
     "1proc_qwen3_tied": ("qwen3", 1, ()),
     "fsdp2_llama": ("llama", 2, ("parallel.strategy=fsdp",)),
+    "cp2_llama": ("llama", 2, ("parallel.strategy=fsdp", "parallel.cp=2")),  # one sequence over 2 ranks
     "untied": ("gpt2", 2, ("parallel.pp=2", "model.tie_embeddings=false")),  # the fix of a refusal below
 }
-EXPORTED = ("fsdp2_llama", "untied")
+EXPORTED = ("fsdp2_llama", "untied", "cp2_llama")
 
 
 def _refusals(tmp, dirs) -> dict[str, list[str]]:
@@ -102,6 +104,8 @@ def _refusals(tmp, dirs) -> dict[str, list[str]]:
         "gpt2_tp2": [f"model.hf={gpt2}", "data.seq_len=16", "parallel.strategy=fsdp", "parallel.dp_replicate=1",
                      "parallel.tp=2", "launch.nproc_per_node=2"],
         "gpt2_pp2": [f"model.hf={gpt2}", "data.seq_len=16", "parallel.pp=2", "launch.nproc_per_node=2"],
+        "mistral_cp2": [f"model.hf={dirs['mistral']}", "data.seq_len=16", "parallel.strategy=fsdp", "parallel.cp=2",
+                        "launch.nproc_per_node=2"],
     }
 
 
@@ -131,7 +135,7 @@ def runs(tmp_path_factory, hf_dirs) -> dict:
             "refused": dict(zip(refusals, results[len(EXPORTED):], strict=True))}
 
 
-@pytest.mark.parametrize("name", ["1proc_qwen3_tied", "fsdp2_llama"])
+@pytest.mark.parametrize("name", ["1proc_qwen3_tied", "fsdp2_llama", "cp2_llama"])
 def test_train_matches_transformers(runs, name):
     family, nproc, sets = RUNS[name]
     run_dir, dp = runs["trained"][name]
@@ -143,7 +147,7 @@ def test_train_matches_transformers(runs, name):
     assert diff < TOL, f"loss differs by {diff:.2e}: {got} vs {ref}"
     assert ref[-1] < ref[0], f"the reference should learn: {ref}"
     assert (run_dir / "model.pt").is_file()
-    if "parallel.strategy=fsdp" in sets:  # a sharded (FSDP 2) checkpoint goes back to Hugging Face
+    if name in EXPORTED:  # a sharded (FSDP 2, or FSDP over the cp ranks) checkpoint goes back to Hugging Face
         _export_matches_the_trained_model(run_dir, *runs["exported"][name])
 
 
@@ -186,6 +190,8 @@ def test_bad_model_hf_is_one_line_and_exit_2(runs):
     assert "model.factory" in line, line
     line = _refused(runs, "dim")
     assert "model.dim=64" in line, line
+    line = _refused(runs, "mistral_cp2")
+    assert "parallel.cp=2" in line and "sliding_window=8" in line and "set parallel.cp=1" in line, line
 
 
 def test_refusals_name_a_fix_and_the_fix_runs(runs):

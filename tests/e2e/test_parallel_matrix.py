@@ -78,6 +78,7 @@ LAYOUTS = {
     "cp2_hsdp2": dict(cp=2, dp_replicate=2, steps=CP_STEPS),  # HSDP over (dp_replicate, dp_shard_cp)
     "cp4": dict(cp=4, steps=CP_STEPS),
     "cp2_tp2": dict(cp=2, tp=2, steps=CP_STEPS),
+    "cp2_pp2": dict(cp=2, pp=2, schedule="1f1b", steps=CP_STEPS),  # every stage gets its share's positions
     # Mixed precision: bf16 compute, fp32 gradient reduction; tracks fp32 within BF16_TOL.
     "fsdp4_bf16": dict(dp_shard=4, param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
 }
@@ -125,6 +126,7 @@ def _train_layout(layout: dict, world_size: int, steps: int = STEPS) -> dict:
     else:
         mesh = dims.build_mesh("cpu")
         dp_rank = dims.dp_rank(mesh)
+        cp = ContextParallel(mesh["cp"]) if dims.cp_enabled else None
         if dims.pp_enabled:
             plan = resolve_pipeline(pp=dims.pp, schedule=schedule, stages_per_rank=per_rank, split_points="",
                                  n_layers=ARGS["n_layers"], batch_size=GLOBAL_BATCH // dims.dp_size,
@@ -133,7 +135,6 @@ def _train_layout(layout: dict, world_size: int, steps: int = STEPS) -> dict:
             parts, pp_group = pipeline.parts, mesh["pp"].get_group()
         else:
             parts, pipeline, pp_group = [parallelize_nd(model, dims, mesh, device=CPU, **opts)], None, None
-            cp = ContextParallel(mesh["cp"]) if dims.cp_enabled else None
     optimizers = [torch.optim.AdamW(part.parameters(), lr=1e-2, weight_decay=0.1) for part in parts]
     batches = _batches(dp_rank, dims.dp_size)
     step_args = dict(grad_accum=1, device=CPU, dtype="fp32", grad_clip=MAX_NORM)
@@ -147,7 +148,8 @@ def _train_layout(layout: dict, world_size: int, steps: int = STEPS) -> dict:
         # (torch's pipeline re-runs a metadata forward on the first step and after each eval).
         with SavedActivations(state) if step == steps - 1 else contextlib.nullcontext() as acts:
             if pipeline is not None:
-                loss, norm, _ = train_step_pp(pipeline, optimizers, batches, pp_group=pp_group, **step_args)
+                loss, norm, _ = train_step_pp(pipeline, optimizers, batches, pp_group=pp_group,
+                                              context_parallel=cp, **step_args)
             else:
                 loss, norm, _ = train_step(parts[0], optimizers[0], batches, loss_parallel=lp,
                                            context_parallel=cp, **step_args)
@@ -155,14 +157,15 @@ def _train_layout(layout: dict, world_size: int, steps: int = STEPS) -> dict:
         norms.append(float(norm))
     val = _batches(dp_rank, dims.dp_size, seed=2000)
     if pipeline is not None:
-        local = evaluate_pp(pipeline, val, steps=1, device=CPU, dtype="fp32")
+        local = evaluate_pp(pipeline, val, steps=1, device=CPU, dtype="fp32", context_parallel=cp)
     else:
         local = evaluate(parts[0], val, steps=1, device=CPU, dtype="fp32", loss_parallel=lp, context_parallel=cp)
     eval_loss = mean_loss_across_ranks(local, world_size, dims.pp)
     # One more backward (no step) so that gradients exist while the bytes are counted.
     inputs, targets = next(batches)
     if pipeline is not None:
-        pipeline.step(inputs, targets)
+        with sequence_context(cp, inputs, targets) as (inputs, targets, positions):
+            pipeline.step(inputs, targets, positions=positions)
     else:
         with loss_parallel() if lp else contextlib.nullcontext(), \
                 sequence_context(cp, inputs, targets) as (inputs, targets, positions):

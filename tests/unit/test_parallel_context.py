@@ -109,7 +109,6 @@ def test_on_an_accelerator_the_step_is_torchs_public_context_parallel(monkeypatc
      "data.seq_len=30 must divide into 2 x parallel.cp = 4 equal chunks"),
     (["parallel.strategy=fsdp", "parallel.cp=2", "model.factory=pkg.mod:build"],
      "model.factory='pkg.mod:build' is not split; set parallel.cp=1"),
-    (["parallel.strategy=fsdp", "parallel.cp=2", "parallel.pp=2"], "does not compose with parallel.pp=2"),
     (["parallel.strategy=fsdp", "parallel.cp=0"], "parallel.cp must be an integer >= 1 or -1"),
 ])
 def test_config_refuses_cp_layouts_in_one_line(overrides, expected):
@@ -118,13 +117,41 @@ def test_config_refuses_cp_layouts_in_one_line(overrides, expected):
     assert expected in str(info.value) and "\n" not in str(info.value)
 
 
-def test_hf_models_are_refused_with_cp():
+def test_hf_models_pass_the_config_and_factories_do_not():
     from meshrun.parallel.rules import check_cp_model
 
-    with pytest.raises(ConfigError, match=r"model.hf='/m' is not split; set parallel.cp=1"):
-        check_cp_model(2, hf="/m")
-    check_cp_model(1, hf="/m")
+    with pytest.raises(ConfigError, match=r"model.factory='m:f' is not split; set parallel.cp=1"):
+        check_cp_model(2, factory="m:f")
+    check_cp_model(1, factory="m:f")
     check_cp_model(2)
+
+
+@pytest.mark.parametrize("config, expected", [
+    ({"layer_types": ["full_attention", "sliding_attention"]}, "layer_types has sliding_attention layers"),
+    ({"sliding_window": 4096}, "sliding_window=4096"),
+    ({"attn_logit_softcapping": 50.0}, "attn_logit_softcapping=50.0"),
+    ({"attention_dropout": 0.1}, "attention_dropout=0.1"),
+    ({"is_causal": False}, "is_causal=false"),
+    ({"text_config": {"sliding_window": 512}}, "sliding_window=512"),
+])
+def test_hf_attention_the_ring_cannot_compute_is_refused_before_launch(tmp_path, config, expected):
+    import json
+
+    from meshrun.models.hf_config import check_hf_context_parallel, context_parallel_refusal
+
+    (tmp_path / "config.json").write_text(json.dumps({
+        "model_type": "llama", "hidden_size": 16, "num_hidden_layers": 2, "num_attention_heads": 2,
+        "vocab_size": 64, **config}))
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    with pytest.raises(ConfigError) as info:
+        check_hf_context_parallel(str(tmp_path), 2)
+    assert expected in str(info.value) and "set parallel.cp=1" in str(info.value)
+    assert "\n" not in str(info.value)
+    check_hf_context_parallel(str(tmp_path), 1)
+    # what a Llama or a Qwen2 (its window off) writes passes
+    assert context_parallel_refusal({"sliding_window": None, "attention_dropout": 0.0}) == ""
+    assert context_parallel_refusal({"sliding_window": 4096, "use_sliding_window": False}) == ""
+    assert context_parallel_refusal({"layer_types": ["full_attention"] * 2}) == ""
 
 
 def test_compile_is_refused_with_cp():

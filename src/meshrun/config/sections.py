@@ -195,7 +195,7 @@ class ParallelSection(Section):
     strategy: str = doc_field("ddp", "'ddp' = every rank holds the whole model (or its pipeline stages) and gradients are all-reduced; 'fsdp' = FSDP2/HSDP, tensor and pipeline parallel over one DeviceMesh, from the degrees below.")
     dp_replicate: int = doc_field(-1, "Data-parallel replicas; -1 = the ranks left after the other degrees.")
     dp_shard: int = doc_field(1, "Data-parallel shards (FSDP); 1 = no sharding, -1 = the ranks left.")
-    cp: int = doc_field(1, "Context-parallel degree: each sequence split over this many ranks (ring attention, head-tail load balanced; data.seq_len divisible by 2 x cp; needs strategy 'fsdp', built-in model); 1 = off.")
+    cp: int = doc_field(1, "Context-parallel degree: each sequence split over this many ranks (ring attention, head-tail load balanced; data.seq_len divisible by 2 x cp; needs strategy 'fsdp', the built-in model or model.hf with full causal attention); 1 = off.")
     tp: int = doc_field(1, "Tensor-parallel degree (heads and FFN split over ranks); 1 = off.")
     pp: int = doc_field(1, "Pipeline-parallel stages; 1 = off.")
     pp_schedule: str = doc_field("gpipe", "Pipeline schedule: 'gpipe', '1f1b' (one stage per rank), or 'interleaved_1f1b', 'looped_bfs', 'interleaved_zero_bubble' (several per rank; zero bubble only without data parallel).")
@@ -304,8 +304,8 @@ class JobConfig:
         if shards_parameters(self.parallel.strategy, ParallelOptions.from_sections(self.parallel).degrees):
             check_optimizer_shards(self.optim.name, self.optim.implementation)
         degrees = stated_degrees(ParallelOptions.from_sections(self.parallel))
-        check_context_parallel(degrees["cp"], pp=degrees["pp"], seq_len=data.seq_len)
-        check_cp_model(degrees["cp"], hf=model.hf, factory=model.factory)
+        check_context_parallel(degrees["cp"], seq_len=data.seq_len)
+        check_cp_model(degrees["cp"], factory=model.factory)
         if model.max_seq_len and data.seq_len > model.max_seq_len:
             raise ConfigError(
                 f"data.seq_len ({data.seq_len}) must be <= model.max_seq_len ({model.max_seq_len}); "

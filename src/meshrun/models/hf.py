@@ -45,7 +45,13 @@ from torch import nn
 
 from meshrun.errors import ModelError
 from meshrun.extras import missing_extra_message
-from meshrun.models.hf_config import TP_STYLES, layer_tp_plan, model_args_from_hf, read_hf_config
+from meshrun.models.hf_config import (
+    TP_STYLES,
+    context_parallel_refusal,
+    layer_tp_plan,
+    model_args_from_hf,
+    read_hf_config,
+)
 from meshrun.models.hf_load import local_like
 from meshrun.models.hf_parts import (
     HFParts,
@@ -201,7 +207,10 @@ class HFCausalLM(nn.Module):
         if self.output is not None:
             hf._modules[parts.head] = self.output
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """``positions``: the sequence positions of ``tokens``' columns, (T,) or per row (B, T)
+        (default 0..T-1): context parallel's share of a sequence, given to the model as its
+        `position_ids`."""
         hf = self.__dict__["_hf"]
         first = self.tok_embeddings is not None
         seqlen = tokens.shape[1]
@@ -212,6 +221,8 @@ class HFCausalLM(nn.Module):
         # a copy: some models scale inputs_embeds in place (CTRL), which autograd refuses on the
         # stage input (a leaf that requires grad); `_Enter` still feeds the input itself to the layer
         inputs = {"input_ids": tokens} if first else {"inputs_embeds": tokens.clone()}
+        if positions is not None:
+            inputs["position_ids"] = positions if positions.dim() == 2 else positions.expand(tokens.shape[0], -1)
         if self.output is not None:
             return hf(**inputs, use_cache=False).logits
         try:
@@ -285,6 +296,23 @@ class HFCausalLM(nn.Module):
         present = {name for name, _ in layer.named_modules()}
         return {name: styles[style]() for name, style in plan.items() if name in present}
 
+    def enable_context_parallel(self, cp: int) -> None:
+        """Attention through `CP_ATTENTION` (`cp_attention`) from now on: causal SDPA without a
+        mask, which context parallel runs as a ring. transformers builds no mask for an
+        implementation it has no mask function for, so the head-tail positions of a cp share are
+        not taken for packed sequences. One ModelError line when the architecture cannot."""
+        from transformers import AttentionInterface
+
+        hf = self.__dict__["_hf"]
+        where = f"parallel.cp={cp} with model.hf={self.hf_dir!r}"
+        reason = context_parallel_refusal(self.config.to_dict())
+        if not reason and not type(hf)._supports_attention_backend:
+            reason = f"{type(hf).__name__} computes attention in its own code, not through transformers' attention interface"
+        if reason:
+            raise ModelError(f"{where}: {reason}; set parallel.cp=1")
+        AttentionInterface.register(CP_ATTENTION, cp_attention)
+        hf.set_attn_implementation(CP_ATTENTION)
+
     def check_layout(self, tp: int, pp: int) -> None:
         """What this architecture's structure cannot do under the layout, as one ConfigError line
         naming a layout that works (before launch, on the model built on meta). A tied head under
@@ -295,6 +323,30 @@ class HFCausalLM(nn.Module):
             check_hf_tp(self.hf_dir, False, layer_tp_plan(self.config), TP_STYLES, tp, self.config.model_type)
         if pp > 1:
             check_hf_pp_order(self.hf_dir, pp, self.parts.unordered)
+
+
+CP_ATTENTION = "meshrun_context_parallel"
+"""The name `enable_context_parallel` registers `cp_attention` under in transformers' AttentionInterface."""
+
+
+def cp_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                 attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                 **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """transformers' SDPA attention, causal and without a mask (what context parallel's ring
+    computes); anything that would make it another attention stops with one line."""
+    extra = [name for name in ("sliding_window", "softcap", "s_aux", "position_bias") if kwargs.get(name) is not None]
+    if attention_mask is not None:
+        extra.append("attention_mask")
+    if dropout:
+        extra.append(f"dropout={dropout}")
+    if kwargs.get("is_causal") is False or not getattr(module, "is_causal", True):
+        extra.append("is_causal=False")
+    if extra:
+        raise ModelError(f"context parallel (parallel.cp > 1) splits causal attention only, but {type(module).__name__} "
+                         f"asks for {', '.join(extra)}; set parallel.cp=1")
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    return sdpa_attention_forward(module, query, key, value, None, dropout=0.0, scaling=scaling, is_causal=True)
 
 
 def _unwrapped(block: nn.Module) -> nn.Module:

@@ -146,6 +146,41 @@ def layer_tp_plan(config: Any) -> dict[str, str]:
     return {k.removeprefix("layers.*."): v for k, v in plan.items() if k.startswith("layers.*.")}
 
 
+def context_parallel_refusal(config: dict[str, Any]) -> str:
+    """Why parallel.cp cannot split this architecture's attention ("" when it can), from config.json.
+
+    Context parallel runs causal attention over the whole sequence as a ring; a window, a
+    soft cap on the logits, attention dropout or a bidirectional model changes what each token
+    sees, and the ring would compute something else.
+    """
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    kinds = text.get("layer_types")
+    if isinstance(kinds, list) and any(kind != "full_attention" for kind in kinds):
+        other = sorted({str(kind) for kind in kinds if kind != "full_attention"})
+        return f"layer_types has {', '.join(other)[:60]} layers (only full causal attention is split)"
+    if text.get("sliding_window") not in (None, 0) and text.get("use_sliding_window", True) is not False:
+        return f"sliding_window={text.get('sliding_window')} (only full causal attention is split)"
+    for key in ("attn_logit_softcapping", "attention_softcap"):
+        if text.get(key) not in (None, 0):
+            return f"{key}={text.get(key)} (the ring computes plain softmax attention)"
+    dropout = text.get("attention_dropout")
+    if isinstance(dropout, (int, float)) and not isinstance(dropout, bool) and dropout > 0:
+        return f"attention_dropout={dropout} (the ring runs without dropout)"
+    if text.get("is_causal") is False:
+        return "is_causal=false (the ring splits causal attention)"
+    return ""
+
+
+def check_hf_context_parallel(path: str, cp: int) -> None:
+    """parallel.cp > 1 with model.hf: the architecture's attention is one the ring computes."""
+    if cp <= 1:
+        return
+    reason = context_parallel_refusal(read_hf_config(path))
+    if reason:
+        raise ConfigError(f"parallel.cp={cp} cannot split the attention of model.hf={path!r}: {CONFIG_FILE} "
+                          f"{reason}; set parallel.cp=1")
+
+
 def check_hf_seq_len(path: str, seq_len: int) -> None:
     """data.seq_len within the model's max_position_embeddings (its RoPE tables and masks end there)."""
     limit = shape_value(read_hf_config(path), "max_position_embeddings")

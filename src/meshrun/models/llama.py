@@ -42,14 +42,15 @@ def rope_tables(
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate consecutive pairs (x[2i], x[2i+1]) of x: (B, T, H, head_dim) by position; cos/sin: (T, head_dim/2).
+    """Rotate consecutive pairs (x[2i], x[2i+1]) of x: (B, T, H, head_dim) by position; cos/sin:
+    (T, head_dim/2), or (B, T, head_dim/2) with each row's own positions.
 
     Same pairing as Meta's complex-number reference, so its checkpoints load unpermuted.
     """
     xf = x.float().unflatten(-1, (-1, 2))
     x0, x1 = xf[..., 0], xf[..., 1]
-    cos = cos[None, :, None, :]
-    sin = sin[None, :, None, :]
+    cos = cos.unsqueeze(-2)  # broadcast over the heads (and the batch, for (T, head_dim/2))
+    sin = sin.unsqueeze(-2)
     out = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1)
     return out.flatten(-2).type_as(x)
 
@@ -145,8 +146,9 @@ class Transformer(nn.Module):
         self.init_weights(seed)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
-        """``positions``: the sequence positions of ``tokens``' columns, (T,) (default 0..T-1);
-        under context parallel a rank holds two chunks of the sequence (meshrun.parallel.context)."""
+        """``positions``: the sequence positions of ``tokens``' columns, (T,) or per row (B, T)
+        (default 0..T-1); under context parallel a rank holds two chunks of the sequence
+        (meshrun.parallel.context), and a pipeline passes each micro-batch's rows."""
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         seqlen = h.shape[1]
         last = seqlen if positions is None else int(positions.max()) + 1

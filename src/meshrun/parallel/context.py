@@ -27,7 +27,8 @@ One interface, two backends:
 The private names are listed in PRIVATE_NAMES and looked up only when a CPU step runs; if torch
 moves one, the step stops with one line naming it and the torch version (tests/unit/
 test_context_parallel.py pins them). Causal attention without a mask or dropout is the only kind
-offered (the built-in model's); anything else is refused in one line.
+offered (the built-in model's, and a Hugging Face model's through `models.hf.cp_attention`;
+grouped-query heads are repeated as SDPA's `enable_gqa` does); anything else is refused in one line.
 """
 
 from __future__ import annotations
@@ -138,10 +139,15 @@ def _cpu_sdpa(group):
 
     def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
              enable_gqa=False):  # noqa: ANN001 - torch's signature
-        if attn_mask is not None or not is_causal or dropout_p or enable_gqa:
+        if attn_mask is not None or not is_causal or dropout_p:
             raise ModelError("context parallel (parallel.cp > 1) runs causal attention only: "
-                             "scaled_dot_product_attention(is_causal=True) without attn_mask, dropout_p or "
-                             "enable_gqa; this model asks for more, so set parallel.cp=1")
+                             "scaled_dot_product_attention(is_causal=True) without attn_mask or dropout_p; "
+                             "this model asks for more, so set parallel.cp=1")
+        if enable_gqa and key.shape[1] != query.shape[1]:
+            # grouped-query attention: each key/value head serves heads/kv_heads query heads,
+            # as SDPA's enable_gqa computes it (the CPU flash kernel takes equal head counts)
+            repeats = query.shape[1] // key.shape[1]
+            key, value = key.repeat_interleave(repeats, dim=1), value.repeat_interleave(repeats, dim=1)
         return ring_attention(query, key, value, group, scale=scale)
 
     return sdpa
@@ -149,7 +155,9 @@ def _cpu_sdpa(group):
 
 def check_model(model: torch.nn.Module, cp: int) -> None:
     """A model split by sequence must take the positions of its tokens (`forward(tokens, positions=)`,
-    as the built-in Transformer does): without them its RoPE would count from 0 on every rank."""
+    as the built-in Transformer and the Hugging Face adapter do): without them its RoPE would count
+    from 0 on every rank. A model with `enable_context_parallel(cp)` (the Hugging Face adapter)
+    is asked to route its attention where the ring replaces it, or to refuse in one line."""
     import inspect
 
     forward = getattr(model, "forward", None)
@@ -161,6 +169,9 @@ def check_model(model: torch.nn.Module, cp: int) -> None:
         raise ModelError(f"parallel.cp={cp} splits each sequence, but {type(model).__name__}.forward takes no "
                          "positions= argument for its tokens' places in the sequence (the built-in model "
                          "does); set parallel.cp=1")
+    enable = getattr(model, "enable_context_parallel", None)
+    if callable(enable):
+        enable(cp)
 
 
 class ContextParallel:

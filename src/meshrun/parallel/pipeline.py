@@ -97,12 +97,18 @@ class Pipeline:
     def is_last(self) -> bool:
         return any(stage.is_last for stage in self.stages)
 
-    def step(self, inputs: torch.Tensor, targets: torch.Tensor, *, train: bool = True) -> torch.Tensor:
+    def step(self, inputs: torch.Tensor, targets: torch.Tensor, *, train: bool = True,
+             positions: torch.Tensor | None = None) -> torch.Tensor:
         """One schedule step over a whole (per dp rank) batch; returns the batch's mean loss /
-        grad_accum on the rank holding the last stage and 0 elsewhere (detached)."""
+        grad_accum on the rank holding the last stage and 0 elsewhere (detached).
+
+        `positions` (T,): the sequence positions of the columns (context parallel's share). Every
+        stage's forward gets them, one row per sample, split into micro-batches with the batch."""
         losses: list[torch.Tensor] = []
         args = (inputs,) if self.is_first else ()
-        kwargs = {"target": targets, "losses": losses} if self.is_last else {}
+        kwargs: dict = {"target": targets, "losses": losses} if self.is_last else {}
+        if positions is not None:
+            kwargs["positions"] = positions.expand(inputs.shape[0], -1)
         if train:
             self.schedule.step(*args, **kwargs)
         else:

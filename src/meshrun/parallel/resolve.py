@@ -194,7 +194,7 @@ def check_options(options: ParallelOptions) -> None:
     rules.check_tp_features(o.tp, o.pp, o.sequence_parallel, o.loss_parallel)
     rules.check_precision(o.dtype, o.pp, o.param_dtype)
     stated = rules.strategy_degrees(o.strategy, o.degrees)
-    rules.check_context_parallel(stated["cp"], pp=stated["pp"], seq_len=o.seq_len)
+    rules.check_context_parallel(stated["cp"], seq_len=o.seq_len)
 
 
 def resolve_layout(options: ParallelOptions, world_size: int, model: ModelShape | None = None) -> ResolvedLayout:
@@ -205,7 +205,7 @@ def resolve_layout(options: ParallelOptions, world_size: int, model: ModelShape 
     dims = ParallelDims(**degrees, world_size=world_size)
     rules.check_tp_features(dims.tp, dims.pp, options.sequence_parallel, options.loss_parallel)
     rules.check_precision(options.dtype, dims.pp, options.param_dtype)
-    rules.check_context_parallel(dims.cp, pp=dims.pp, seq_len=options.seq_len)
+    rules.check_context_parallel(dims.cp, seq_len=options.seq_len)
     shape = model or ModelShape()
     rules.check_model_shape(tp=dims.tp, pp=dims.pp, world_size=world_size, n_heads=shape.n_heads,
                             n_kv_heads=shape.n_kv_heads or shape.n_heads, n_layers=shape.n_layers,

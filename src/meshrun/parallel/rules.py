@@ -136,16 +136,12 @@ def check_tp_features(tp: int, pp: int, sequence_parallel: bool, loss_parallel: 
                           f"stages send plain tensors); turn {'it' if one else 'them'} off or set parallel.pp=1")
 
 
-def check_context_parallel(cp: int, *, pp: int = 1, seq_len: int = 0) -> None:
+def check_context_parallel(cp: int, *, seq_len: int = 0) -> None:
     """Context parallel splits each sequence over the cp ranks, two chunks each (head-tail load
     balancing: chunk r and chunk 2*cp-1-r of 2*cp, so every rank holds as much of the causal mask).
-    The pipeline's stages take no token positions. A degree of -1 is not known yet; seq_len 0 =
-    not known here."""
+    A degree of -1 is not known yet; seq_len 0 = not known here."""
     if cp <= 1:
         return
-    if pp > 1:
-        raise ConfigError(f"parallel.cp={cp} does not compose with parallel.pp={pp} (pipeline stages pass no "
-                          "token positions between them); set parallel.pp=1 or parallel.cp=1")
     if seq_len and seq_len % (2 * cp):
         step = 2 * cp
         near = sorted({max(step, seq_len - seq_len % step), seq_len - seq_len % step + step})
@@ -154,15 +150,15 @@ def check_context_parallel(cp: int, *, pp: int = 1, seq_len: int = 0) -> None:
                           f"{' or '.join(map(str, near))}")
 
 
-def check_cp_model(cp: int, *, hf: str = "", factory: str = "") -> None:
-    """Context parallel rewrites the built-in model's attention into a ring and gives its RoPE the
-    positions of this rank's tokens; a Hugging Face or user model's attention and positions are
-    its own, so they cannot be split (yet)."""
-    if cp <= 1 or not (hf or factory):
+def check_cp_model(cp: int, *, factory: str = "") -> None:
+    """Context parallel gives the model the positions of this rank's tokens and runs its attention
+    as a ring: the built-in model and model.hf (its attention through transformers' attention
+    interface) take both; a user factory's model is its own, so it is not split."""
+    if cp <= 1 or not factory:
         return
-    what = f"model.hf={hf!r}" if hf else f"model.factory={factory!r}"
-    raise ConfigError(f"parallel.cp={cp} splits the sequence of the built-in model only (its attention runs as a "
-                      f"ring and its RoPE takes each rank's positions); {what} is not split; set parallel.cp=1")
+    raise ConfigError(f"parallel.cp={cp} splits the sequence of the built-in model and model.hf models (their "
+                      f"attention runs as a ring, their positions follow each rank's tokens); model.factory="
+                      f"{factory!r} is not split; set parallel.cp=1")
 
 
 def check_hf_tp(hf: str, sequence_parallel: bool, styles: dict[str, str], supported: tuple[str, ...],

@@ -107,7 +107,7 @@ def layouts(args: ModelArgs, world_size: int, seq_len: int = 0) -> list[Parallel
     """Every (dp_replicate, dp_shard, tp, pp) with product world_size that the layout rules accept
     for `args` (`rules.model_fits`: tp divides n_heads and n_kv_heads, pp <= n_layers, no pp with
     tied embeddings). With a `seq_len`, also the context-parallel ones: cp > 1 dividing the
-    ranks left, seq_len divisible by 2 x cp, no pp (`rules.check_context_parallel`)."""
+    ranks left, seq_len divisible by 2 x cp (`rules.check_context_parallel`)."""
     check_world_size(world_size)
     found = divisors(world_size)
     out = []
@@ -120,7 +120,7 @@ def layouts(args: ModelArgs, world_size: int, seq_len: int = 0) -> list[Parallel
             rest = world_size // (pp * tp)
             for dp_shard in (d for d in found if rest % d == 0):
                 out.append(ParallelDims(rest // dp_shard, dp_shard, tp, pp, world_size=world_size))
-            if seq_len and pp == 1:
+            if seq_len:
                 for cp in (d for d in found if d > 1 and rest % d == 0 and seq_len % (2 * d) == 0):
                     for dp_shard in (d for d in found if rest // cp % d == 0):
                         out.append(ParallelDims(rest // cp // dp_shard, dp_shard, tp, pp, world_size=world_size, cp=cp))

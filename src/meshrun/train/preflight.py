@@ -118,10 +118,12 @@ def _check_checkpoints(cfg: JobConfig, vocab_size: int) -> None:
 
 def check_hf_dir(cfg: JobConfig) -> None:
     """model.hf: its config.json, architecture and weights (models/hf_config.py), and data.seq_len
-    within its max_position_embeddings (its RoPE tables and masks end there)."""
-    from meshrun.models.hf_config import check_hf_seq_len
+    within its max_position_embeddings (its RoPE tables and masks end there); under parallel.cp an
+    attention the ring computes."""
+    from meshrun.models.hf_config import check_hf_context_parallel, check_hf_seq_len
 
     check_hf_seq_len(cfg.model.hf, cfg.data.seq_len)
+    check_hf_context_parallel(cfg.model.hf, cfg.parallel.cp)
 
 
 def check_fault(cfg: JobConfig, *, nnodes: str = "1") -> None:

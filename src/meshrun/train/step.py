@@ -147,6 +147,7 @@ def train_step_pp(
     grad_clip: float,
     pp_group,
     need_grad_norm: bool = True,
+    context_parallel: ContextParallel | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, float]:
     """`train_step` under pipeline parallel: `grad_accum` schedule steps, then every part's optimizer.
 
@@ -160,8 +161,9 @@ def train_step_pp(
     for _ in range(grad_accum):
         inputs, targets = next(batches)
         inputs, targets = inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
-        with autocast_context(device, dtype):
-            total += pipeline.step(inputs, targets)
+        with sequence_context(context_parallel, inputs, targets) as (inputs, targets, positions), \
+                autocast_context(device, dtype):
+            total += pipeline.step(inputs, targets, positions=positions)
     step_s = time.perf_counter() - started
     params = [p for part in pipeline.parts for p in part.parameters() if p.grad is not None]
     if grad_clip <= 0 and not need_grad_norm:
@@ -175,7 +177,8 @@ def train_step_pp(
 
 
 @torch.no_grad()
-def evaluate_pp(pipeline, batches, *, steps: int, device: torch.device, dtype: str) -> torch.Tensor:
+def evaluate_pp(pipeline, batches, *, steps: int, device: torch.device, dtype: str,
+                context_parallel: ContextParallel | None = None) -> torch.Tensor:
     """`evaluate` through the pipeline, forward only (`schedule.eval`); 0 off the last stage.
 
     A last, smaller batch is skipped: it would not split into the schedule's micro-batches
@@ -191,8 +194,9 @@ def evaluate_pp(pipeline, batches, *, steps: int, device: torch.device, dtype: s
         full = full or inputs.shape[0]
         if inputs.shape[0] != full:
             break
-        with autocast_context(device, dtype):
-            total += pipeline.step(inputs.to(device), targets.to(device), train=False) * pipeline.grad_accum
+        split = sequence_context(context_parallel, inputs.to(device), targets.to(device))
+        with split as (inputs, targets, positions), autocast_context(device, dtype):
+            total += pipeline.step(inputs, targets, train=False, positions=positions) * pipeline.grad_accum
         count += 1
     for part in pipeline.parts:
         part.train()
@@ -234,7 +238,8 @@ def layout_step(layout: BuiltLayout, optimizers: list[torch.optim.Optimizer], ba
                   need_grad_norm=need_grad_norm)
     if layout.pipeline is not None:
         assert scaler is None, "fp16 under pp is refused by meshrun.parallel.rules.check_precision"
-        return train_step_pp(layout.pipeline, optimizers, batches, pp_group=layout.pp_group, **common)
+        return train_step_pp(layout.pipeline, optimizers, batches, pp_group=layout.pp_group,
+                             context_parallel=layout.context_parallel, **common)
     return train_step(layout.parts[0], optimizers[0], batches, loss_parallel=layout.loss_parallel,
                       scaler=scaler, context_parallel=layout.context_parallel, **common)
 
@@ -242,7 +247,8 @@ def layout_step(layout: BuiltLayout, optimizers: list[torch.optim.Optimizer], ba
 def layout_evaluate(layout: BuiltLayout, batches, *, steps: int, dtype: str) -> float:
     """Mean held-out loss over up to `steps` batches, averaged over the ranks (every rank calls it)."""
     if layout.pipeline is not None:
-        local = evaluate_pp(layout.pipeline, batches, steps=steps, device=layout.device, dtype=dtype)
+        local = evaluate_pp(layout.pipeline, batches, steps=steps, device=layout.device, dtype=dtype,
+                            context_parallel=layout.context_parallel)
     else:
         local = evaluate(layout.parts[0], batches, steps=steps, device=layout.device, dtype=dtype,
                          loss_parallel=layout.loss_parallel, context_parallel=layout.context_parallel)
