@@ -3,6 +3,7 @@
     python benchmarks/context_parallel.py --quick        # seq 512 and 2048, a small model: ~1 min here
     python benchmarks/context_parallel.py                # seq 2048 and 8192, dim 256, 4 blocks: minutes
     python benchmarks/context_parallel.py --seq-lens 4096 --cp 1,2 --steps 2
+    python benchmarks/context_parallel.py --seq-lens 2048 --budgets 8,0.5   # + the longest-fit rows
 
 A report, not a gate. Each (sequence length, cp) pair runs in its own `run_distributed` launch of
 cp ranks (cp 1 too: one fresh process, like the others), through the trainer's own path: `resolve_layout` (strategy fsdp, parallel.cp = N), `build_layout` (meta build, FSDP over dp_shard x cp) and `layout_step`
@@ -15,6 +16,15 @@ row, from the most-loaded rank:
 Every figure is also given as a ratio to cp 1 at the same sequence length. On a 2-core machine
 cp 4 runs 4 processes on 2 cores, so its step time shows the oversubscription, not the speed-up
 a GPU per rank gives; the memory column is what context parallel is for.
+
+Then, per memory budget of `--budgets` (GiB per rank) and per cp, the longest sequence (a
+multiple of 256 x cp) whose `meshrun plan` total per rank (parameters, gradients, AdamW state,
+activations) fits the budget: what cp buys in context length. Budgets up to `--measure-up-to`
+GiB are also run at that length: the measured peak per rank (state + activations saved for
+backward) and the tokens per second of the replica (one sequence per step over its cp ranks).
+Larger budgets are planned only: 8 GiB per rank means sequences of ~10^5 tokens for this model,
+hours of CPU per step on a 2-core machine; the plan is the figure (it matches the measured
+activations within 0.5% in the rows above and in tests/e2e/test_parallel_matrix.py).
 """
 
 from __future__ import annotations
@@ -44,8 +54,9 @@ def _options(cp: int, seq: int) -> ParallelOptions:
     return ParallelOptions(strategy="fsdp", dp_replicate=1, dp_shard=1, cp=cp, batch_size=1, seq_len=seq)
 
 
-def run_one(model_args: dict, cp: int, seq: int, steps: int) -> dict:
-    """On every rank of one launch: `steps` steps of the layout; the last one measured."""
+def run_one(model_args: dict, cp: int, seq: int, steps: int, with_state: bool = False) -> dict:
+    """On every rank of one launch: `steps` steps of the layout; the last one measured (and, with
+    `with_state`, this rank's resident parameter, gradient and optimizer bytes after it)."""
     world = dist.get_world_size()
     args = ModelArgs(**model_args)
     resolved = resolve_layout(_options(cp, seq), world, ModelShape.from_args(args))
@@ -71,7 +82,60 @@ def run_one(model_args: dict, cp: int, seq: int, steps: int) -> dict:
         with SavedActivations(state) as acts:
             layout_step(layout, optimizers, it, grad_accum=1, dtype="fp32", grad_clip=1.0)
         times.append(time.perf_counter() - started)
-    return {"activations": acts.peak, "step": statistics.median(times[1:] or times)}
+    out = {"activations": acts.peak, "step": statistics.median(times[1:] or times)}
+    if with_state:  # gradients are freed after each step: one of each parameter's size during it
+        def nbytes(tensors) -> int:
+            return sum(t.numel() * t.element_size() for t in (x.to_local() if hasattr(x, "to_local") else x
+                                                             for x in tensors))
+
+        opt_state = [v for o in optimizers for st in o.state.values() for v in st.values() if torch.is_tensor(v)]
+        out["state"] = 2 * nbytes(layout.parts[0].parameters()) + nbytes(opt_state)
+    return out
+
+
+def longest_fit(model_args: dict, cp: int, budget: int) -> tuple[int, int]:
+    """(seq, planned bytes per rank): the longest multiple of 256 x cp whose plan fits `budget`."""
+    step = 256 * cp
+
+    def planned(seq: int) -> int:
+        args = ModelArgs(**{**model_args, "max_seq_len": seq})
+        dims = resolve_layout(_options(cp, seq), cp).dims
+        return estimate(args, dims, batch_size=1, seq_len=seq).total
+
+    if planned(step) > budget:
+        return 0, planned(step)
+    low, high = 1, 2
+    while planned(high * step) <= budget:  # total grows with seq: double, then bisect
+        low, high = high, high * 2
+    while high - low > 1:
+        mid = (low + high) // 2
+        low, high = (mid, high) if planned(mid * step) <= budget else (low, mid)
+    return low * step, planned(low * step)
+
+
+def fit_rows(model_args: dict, cps: list[int], budgets: list[float], measure_up_to: float, steps: int,
+             timeout: float, env: dict) -> None:
+    print(f"\nlongest sequence per rank budget (plan: params + grads + AdamW + activations; "
+          f"measured up to {measure_up_to:g} GiB)")
+    print(f"{'GiB':>6} {'cp':>3} {'seq':>7} {'x cp1':>6} {'plan MiB':>9} {'measured MiB':>13} {'tokens/s':>9} {'x cp1':>6}")
+    for budget in budgets:
+        first = None
+        for cp in cps:
+            seq, planned = longest_fit(model_args, cp, int(budget * 2**30))
+            if not seq:
+                print(f"{budget:6g} {cp:3d} {'none fits':>7}")
+                continue
+            measured, rate = "-", None
+            if budget <= measure_up_to:
+                per_rank = run_distributed(run_one, world_size=cp, timeout=timeout,
+                                           args=({**model_args, "max_seq_len": seq}, cp, seq, steps, True), env=env)
+                peak = max(r["activations"] + r["state"] for r in per_rank)
+                rate = seq / max(r["step"] for r in per_rank)
+                measured = f"{peak / MIB:.1f}"
+            first = first or (seq, rate)
+            ratio = f"{rate / first[1]:6.2f}" if rate and first[1] else f"{'-':>6}"
+            print(f"{budget:6g} {cp:3d} {seq:7d} {seq / first[0]:6.2f} {planned / MIB:9.1f} {measured:>13} "
+                  f"{(f'{rate:.0f}' if rate else '-'):>9} {ratio}", flush=True)
 
 
 def main() -> None:
@@ -85,6 +149,10 @@ def main() -> None:
     p.add_argument("--n-heads", type=int)
     p.add_argument("--steps", type=int, help="steps per run; the first is not timed (default 3)")
     p.add_argument("--timeout", type=float, default=600, help="seconds per launch")
+    p.add_argument("--budgets", default="8,0.5",
+                   help="comma-separated GiB per rank: the longest sequence each cp fits in (default 8,0.5; '' = none)")
+    p.add_argument("--measure-up-to", type=float, default=1.0,
+                   help="GiB: budgets up to this are also run at their longest sequence (default 1)")
     a = p.parse_args()
     base = QUICK if a.quick else FULL
     seq_lens = [int(s) for s in (a.seq_lens or base["seq_lens"]).split(",")]
@@ -112,6 +180,9 @@ def main() -> None:
             print(f"{seq:6d} {cp:3d} {result['activations'] / MIB:16.1f} "
                   f"{result['activations'] / first['activations']:6.2f} {planned / MIB:9.1f} "
                   f"{result['step']:8.3f} {result['step'] / first['step']:6.2f}", flush=True)
+    budgets = [float(b) for b in a.budgets.split(",") if b.strip()]
+    if budgets:
+        fit_rows(model_args, cps, budgets, a.measure_up_to, steps, a.timeout, env)
 
 
 if __name__ == "__main__":
