@@ -13,6 +13,9 @@ row, from the most-loaded rank:
 - activations: the peak bytes autograd held saved for backward in the last step
   (`meshrun.plan.measure.SavedActivations`), and `meshrun plan`'s estimate of it;
 - step: median wall seconds of the steps after the first (includes waiting on the ring's peers).
+- ring: the bytes the most-loaded rank received in the ring's collectives in the measured step
+  (`meshrun.plan.measure.ReceivedBytes`: every functional collective dispatched in it, by size),
+  and `meshrun plan`'s count of them (meshrun.plan.ring).
 Every figure is also given as a ratio to cp 1 at the same sequence length. On a 2-core machine
 cp 4 runs 4 processes on 2 cores, so its step time shows the oversubscription, not the speed-up
 a GPU per rank gives; the memory column is what context parallel is for.
@@ -41,7 +44,7 @@ from meshrun.models.llama import ModelArgs, Transformer
 from meshrun.parallel.layout import build_layout
 from meshrun.parallel.resolve import ModelShape, ParallelOptions, resolve_layout
 from meshrun.plan import estimate
-from meshrun.plan.measure import SavedActivations
+from meshrun.plan.measure import ReceivedBytes, SavedActivations
 from meshrun.testing import run_distributed
 from meshrun.train.step import layout_step
 
@@ -79,10 +82,10 @@ def run_one(model_args: dict, cp: int, seq: int, steps: int, with_state: bool = 
     for _ in range(steps):
         dist.barrier()
         started = time.perf_counter()
-        with SavedActivations(state) as acts:
+        with SavedActivations(state) as acts, ReceivedBytes() as ring:
             layout_step(layout, optimizers, it, grad_accum=1, dtype="fp32", grad_clip=1.0)
         times.append(time.perf_counter() - started)
-    out = {"activations": acts.peak, "step": statistics.median(times[1:] or times)}
+    out = {"activations": acts.peak, "step": statistics.median(times[1:] or times), "ring": ring.bytes}
     if with_state:  # gradients are freed after each step: one of each parameter's size during it
         def nbytes(tensors) -> int:
             return sum(t.numel() * t.element_size() for t in (x.to_local() if hasattr(x, "to_local") else x
@@ -167,19 +170,21 @@ def main() -> None:
     env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     print(f"dim {dim}, {n_layers} blocks, {n_heads} heads, vocab 256, batch 1, fp32, AdamW, CPU/gloo, "
           f"torch {torch.__version__}; {steps} steps per run (median of all but the first)")
-    print(f"{'seq':>6} {'cp':>3} {'activations MiB':>16} {'x cp1':>6} {'plan MiB':>9} {'step s':>8} {'x cp1':>6}")
+    print(f"{'seq':>6} {'cp':>3} {'activations MiB':>16} {'x cp1':>6} {'plan MiB':>9} {'step s':>8} {'x cp1':>6} "
+          f"{'ring MiB':>9} {'plan MiB':>9}")
     for seq in seq_lens:
         first = None
         for cp in cps:
             per_rank = run_distributed(run_one, world_size=cp, timeout=a.timeout,
                                        args=(model_args, cp, seq, steps), env=env)
-            result = {key: max(r[key] for r in per_rank) for key in ("activations", "step")}
+            result = {key: max(r[key] for r in per_rank) for key in ("activations", "step", "ring")}
             first = first or result
             resolved = resolve_layout(_options(cp, seq), cp)
-            planned = estimate(ModelArgs(**model_args), resolved.dims, batch_size=1, seq_len=seq).activations
+            planned = estimate(ModelArgs(**model_args), resolved.dims, batch_size=1, seq_len=seq)
             print(f"{seq:6d} {cp:3d} {result['activations'] / MIB:16.1f} "
-                  f"{result['activations'] / first['activations']:6.2f} {planned / MIB:9.1f} "
-                  f"{result['step']:8.3f} {result['step'] / first['step']:6.2f}", flush=True)
+                  f"{result['activations'] / first['activations']:6.2f} {planned.activations / MIB:9.1f} "
+                  f"{result['step']:8.3f} {result['step'] / first['step']:6.2f} "
+                  f"{result['ring'] / MIB:9.1f} {planned.ring / MIB:9.1f}", flush=True)
     budgets = [float(b) for b in a.budgets.split(",") if b.strip()]
     if budgets:
         fit_rows(model_args, cps, budgets, a.measure_up_to, steps, a.timeout, env)

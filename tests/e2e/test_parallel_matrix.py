@@ -10,7 +10,9 @@ clipped grad norm and the eval loss too; the context-parallel layouts (the seque
 cp ranks, attention as torch's ring) train CP_STEPS steps against a reference as long. Per layout each rank also reports the local bytes of
 its parameters, gradients and AdamW state (DTensor shards counted by `to_local()`) and the peak
 bytes autograd held saved for backward in the last step (`SavedActivations`), which the memory and
-planner checks use. Then `meshrun train` runs pp=2 end to end through the CLI.
+planner checks use, and, for the context-parallel layouts, the bytes the ring received in that step
+(`ReceivedBytes`), which must be within 10% of `meshrun plan`'s count. Then `meshrun train` runs
+pp=2 end to end through the CLI.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from meshrun.parallel.dims import ParallelDims
 from meshrun.parallel.parallelize import parallelize_nd, parallelize_pipeline
 from meshrun.parallel.pipeline import resolve_pipeline
 from meshrun.plan import estimate
-from meshrun.plan.measure import SavedActivations
+from meshrun.plan.measure import ReceivedBytes, SavedActivations
 from meshrun.testing import run_distributed
 from meshrun.train.step import (
     evaluate,
@@ -146,7 +148,9 @@ def _train_layout(layout: dict, world_size: int, steps: int = STEPS) -> dict:
     for step in range(steps):
         # The last step's peak saved-for-backward bytes are the activations: a steady-state step
         # (torch's pipeline re-runs a metadata forward on the first step and after each eval).
-        with SavedActivations(state) if step == steps - 1 else contextlib.nullcontext() as acts:
+        last = step == steps - 1
+        with SavedActivations(state) if last else contextlib.nullcontext() as acts, \
+                ReceivedBytes() if last else contextlib.nullcontext() as received:
             if pipeline is not None:
                 loss, norm, _ = train_step_pp(pipeline, optimizers, batches, pp_group=pp_group,
                                               context_parallel=cp, **step_args)
@@ -170,7 +174,7 @@ def _train_layout(layout: dict, world_size: int, steps: int = STEPS) -> dict:
         with loss_parallel() if lp else contextlib.nullcontext(), \
                 sequence_context(cp, inputs, targets) as (inputs, targets, positions):
             lm_loss(parts[0], inputs, targets, positions).backward()
-    memory = {**_memory(parts, optimizers), "activations": acts.peak}
+    memory = {**_memory(parts, optimizers), "activations": acts.peak, "ring": received.bytes}
     names = sorted(n.removeprefix("module.") for part in parts for n, _ in part.named_parameters())
     return {"losses": losses, "norms": norms, "eval": eval_loss, "memory": memory, "names": names}
 
@@ -264,6 +268,10 @@ def test_plan_estimate_is_within_20_percent_of_measured(runs, name):
     assert abs(est.state - state) <= 0.2 * state, (name, est.state, state)
     assert abs(est.activations - acts) <= 0.2 * acts, (name, est.activations, acts)
     assert abs(planned - total) <= 0.2 * total, (name, planned, total)
+    if dims.cp > 1:  # what the ring moved in that step, against the plan's count (meshrun.plan.ring)
+        ring = max(r[name]["memory"]["ring"] for r in runs)
+        print(f"{name}: ring bytes per step plan {est.ring} measured {ring}")
+        assert ring > 0 and abs(est.ring - ring) <= 0.1 * ring, (name, est.ring, ring)
 
 
 @pytest.mark.slow

@@ -196,3 +196,26 @@ def test_layouts_are_the_ones_the_resolver_accepts():
         assert found == accepted, (name, seq_len)
     assert any(d.pp > 1 for d in layouts(get_size("tiny"), 4))
     assert not any(d.pp > 1 for d in layouts(get_size("1b"), 4))
+
+
+def test_ring_bytes_count_the_ring_of_each_cp_rank():
+    """meshrun.plan.ring: nothing without cp; K and V gathered in forward and backward (a third
+    time under activation checkpointing), dK and dV passed cp times in fp32; per fullest pp rank."""
+    from meshrun.models.args import ModelArgs
+    from meshrun.parallel.dims import ParallelDims
+    from meshrun.plan.ring import ring_bytes
+
+    args = ModelArgs(vocab_size=64, dim=32, n_layers=4, n_heads=4, n_kv_heads=2, max_seq_len=64)
+    kv = 2 * 2 * (64 // 2) * 4 * 8  # k and v: batch 2, seq 64 / cp 2, all 4 heads (kv repeated), head_dim 8
+
+    def ring(**degrees):
+        full = {"dp_replicate": 1, "dp_shard": 1, "tp": 1, "pp": 1, **degrees}
+        return ring_bytes(args, ParallelDims(**full), batch_size=2, seq_len=64)
+
+    assert ring(world_size=4, dp_shard=4) == 0
+    assert ring(world_size=2, cp=2) == 4 * kv * (1 * 4 * 2 + 2 * 4)
+    assert ring(world_size=4, cp=2, pp=2) == 2 * kv * (1 * 4 * 2 + 2 * 4)  # 2 of the 4 blocks on a rank
+    assert ring(world_size=4, cp=2, tp=2) == 4 * (kv // 2) * (1 * 4 * 2 + 2 * 4)  # half the heads
+    checkpointed = ring_bytes(args, ParallelDims(1, 1, 1, 1, world_size=2, cp=2), batch_size=2, seq_len=64, dtype="bf16",
+                              activation_checkpointing=True)
+    assert checkpointed == 4 * kv * (1 * 2 * 3 + 2 * 4)

@@ -26,6 +26,8 @@ TP before PP at equal products); then, for a model whose training state is under
 data parallel (no sharding); then the least total memory per rank. Sizes are per rank, in GiB,
 or MiB when every layout needs under 1 GiB.
 params are fp32 (meshrun keeps fp32 weights; bf16 is autocast), optim is AdamW's two moments.
+ring/step (layouts with cp): what a cp rank receives per step in context parallel's ring, the
+keys and values of the other cp ranks and their gradients (communication, not memory).
 
 examples:
   meshrun plan --model 8b --world 64 --device-memory 80 --batch-size 1 --seq-len 8192
@@ -92,7 +94,7 @@ def _fmt(n: int, unit: int = GIB) -> str:
 def format_table(plan: Plan, top: int) -> str:
     cp = any(e.dims.cp > 1 for e in plan.ranked)  # a cp column only when a layout splits the sequence
     cols = ("#", "dp_rep", "dp_shard", *(("cp",) if cp else ()), "tp", "pp", "params", "grads", "optim",
-            "fsdp_buf", "activ", "total", "fits")
+            "fsdp_buf", "activ", "total", "fits", *(("ring/step",) if cp else ()))
     rows = []
     _, unit = table_unit(plan)
     for i, e in enumerate(plan.ranked[:top], 1):
@@ -100,7 +102,8 @@ def format_table(plan: Plan, top: int) -> str:
         fits = "-" if e.fits is None else "yes" if e.fits else "no"
         rows.append((str(i), str(d.dp_replicate), str(d.dp_shard), *((str(d.cp),) if cp else ()), str(d.tp),
                      str(d.pp), _fmt(e.params, unit), _fmt(e.grads, unit), _fmt(e.optim, unit),
-                     _fmt(e.fsdp_buffers, unit), _fmt(e.activations, unit), _fmt(e.total, unit), fits))
+                     _fmt(e.fsdp_buffers, unit), _fmt(e.activations, unit), _fmt(e.total, unit), fits,
+                     *((_fmt(e.ring, unit) if e.ring else "-",) if cp else ())))
     widths = [max(len(r[i]) for r in [cols, *rows]) for i in range(len(cols))]
     lines = ["  ".join(c.rjust(w) for c, w in zip(row, widths, strict=True)) for row in [cols, *rows]]
     if len(plan.ranked) > top:

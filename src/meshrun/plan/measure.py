@@ -1,8 +1,12 @@
-"""Measure activation memory on any device: the peak bytes autograd holds saved for backward.
+"""Measure what `meshrun plan` estimates: activation memory, and the bytes context parallel's ring moves.
 
     with SavedActivations(model.parameters) as acts:
         loss_fn(model(x), y).backward()
     print(acts.peak)
+
+`ReceivedBytes` counts the bytes this rank receives in the functional collectives run under it
+(`torch.ops._c10d_functional`: the ring of meshrun.parallel.context; FSDP and DDP call the process
+group directly and are not seen), checked against `meshrun.plan.ring`.
 
 CPU has no allocator counter and RSS is dominated by torch itself, so `meshrun plan`'s activation
 estimate is checked against this instead. Every tensor autograd saves in forward goes through
@@ -20,6 +24,7 @@ import weakref
 from collections.abc import Callable, Iterable
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -80,3 +85,23 @@ class SavedActivations:
 
     def __exit__(self, *exc) -> None:
         self._hooks.__exit__(*exc)
+
+
+class ReceivedBytes(TorchDispatchMode):
+    """Bytes this rank receives in the functional collectives dispatched while it is entered:
+    an all-gather brings (group size - 1) inputs, an all-to-all its output splits."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bytes = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001 - torch's signature
+        packet = getattr(func, "overloadpacket", None)
+        if packet is torch.ops._c10d_functional.all_gather_into_tensor:
+            tensor, group_size = args[0], args[1]
+            self.bytes += tensor.numel() * tensor.element_size() * (group_size - 1)
+        elif packet is torch.ops._c10d_functional.all_to_all_single:
+            tensor, output_split_sizes = args[0], args[1]
+            row = tensor.element_size() * (tensor[0].numel() if tensor.dim() > 1 else 1)
+            self.bytes += sum(output_split_sizes) * row
+        return func(*args, **(kwargs or {}))

@@ -22,7 +22,7 @@ layout of tests/e2e/test_parallel_matrix.py (within 1%, zero bubble 11%).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from math import prod
 
 from meshrun.errors import ConfigError
@@ -30,6 +30,7 @@ from meshrun.models.args import ModelArgs
 from meshrun.parallel.dims import ParallelDims
 from meshrun.parallel.rules import check_world_size, divisors, model_fits
 from meshrun.plan.activations import activation_bytes, dtype_bytes
+from meshrun.plan.ring import ring_bytes
 from meshrun.plan.show import param_shapes, placements
 
 GIB = 2**30
@@ -46,6 +47,8 @@ class MemoryEstimate:
     optim: int
     fsdp_buffers: int
     activations: int
+    ring: int = 0
+    """Context parallel: bytes this rank receives in the ring per step (meshrun.plan.ring); not memory."""
     fits: bool | None = None
     """Whether `total` fits the device memory given to `candidates`; None when none was given."""
 
@@ -100,7 +103,9 @@ def estimate(args: ModelArgs, dims: ParallelDims, *, batch_size: int, seq_len: i
     params, grads, optim, buffers = state_bytes(args, dims, shapes)
     acts = activation_bytes(args, dims, batch_size=batch_size, seq_len=seq_len, dtype=dtype,
                             activation_checkpointing=activation_checkpointing, **pipeline_and_tp)
-    return MemoryEstimate(dims, params, grads, optim, buffers, acts)
+    ring = ring_bytes(args, dims, batch_size=batch_size, seq_len=seq_len, dtype=dtype,
+                      activation_checkpointing=activation_checkpointing)
+    return MemoryEstimate(dims, params, grads, optim, buffers, acts, ring)
 
 
 def layouts(args: ModelArgs, world_size: int, seq_len: int = 0) -> list[ParallelDims]:
@@ -173,6 +178,5 @@ def candidates(args: ModelArgs, *, world_size: int, batch_size: int, seq_len: in
         est = estimate(args, dims, batch_size=batch_size, seq_len=seq_len, dtype=dtype,
                        activation_checkpointing=activation_checkpointing, shapes=shapes)
         fits = None if device_memory is None else est.total <= device_memory
-        ests.append(MemoryEstimate(est.dims, est.params, est.grads, est.optim,
-                                   est.fsdp_buffers, est.activations, fits))
+        ests.append(replace(est, fits=fits))
     return Plan(sorted(ests, key=rank_key), device_memory)
