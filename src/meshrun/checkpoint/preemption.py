@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -36,7 +37,10 @@ class PreemptionSignals:
 
     def __init__(self) -> None:
         self.signum, self._at = 0, 0.0
-        self._previous = {s: signal.signal(s, self._on_signal) for s in SIGNALS}
+        # Python installs handlers from the main thread only. Training that a framework runs on a
+        # thread of its own (Ray Train: cluster/ray.py) leaves the process's signals to that framework.
+        main = threading.current_thread() is threading.main_thread()
+        self._previous = {s: signal.signal(s, self._on_signal) for s in SIGNALS} if main else {}
 
     def _on_signal(self, signum, frame) -> None:  # noqa: ANN001 - signal handler signature
         if self.signum and time.monotonic() - self._at > 1.0:  # asked again, later: stop now

@@ -1,15 +1,17 @@
-"""`meshrun submit CONFIG --scheduler slurm|kubernetes ...`: one `meshrun train` job onto a cluster.
+"""`meshrun submit CONFIG --scheduler slurm|kubernetes|ray ...`: one `meshrun train` job onto a cluster.
 
     meshrun submit examples/configs/tiny.toml --nodes 2 --nproc-per-node 4 --time 01:00:00 --dry-run
     meshrun submit examples/configs/tiny.toml --nodes 2 --nproc-per-node 4 --time 01:00:00
     meshrun submit --status runs/tiny          # squeue for the job submitted for that run (or a job id)
     meshrun submit --cancel runs/tiny          # scancel it
+    meshrun submit examples/configs/tiny.toml --scheduler ray --nproc-per-node 2 --set train.name=tiny-ray
 
 The job (cluster/job.py) and the config are checked as `meshrun train` checks them, for the
 whole world (nodes x processes), before anything is written or submitted: a mistake is one line
 and exit 2. SLURM: the sbatch script goes to RUN/slurm/job.sbatch (cluster/slurm.py), SLURM
 checks it (`sbatch --test-only`), then `sbatch --parsable` submits it and the job id is printed
-and recorded in RUN/slurm/job_id. docs/cluster.md describes what the script does.
+and recorded in RUN/slurm/job_id. Ray: this process is the job's driver and waits for it
+(cluster/ray.py: Ray Train's TorchTrainer). docs/cluster.md describes what each writes and runs.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from pathlib import Path
 from meshrun.argparser import OneLineParser
 from meshrun.errors import ConfigError, shown
 
-SCHEDULERS = ("slurm", "kubernetes")
+SCHEDULERS = ("slurm", "kubernetes", "ray")
 K8S_KINDS = ("trainjob", "jobset")
 
 
@@ -45,7 +47,10 @@ def build_parser() -> argparse.ArgumentParser:
                              "requeue (default 90)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                         help="override one config key (repeatable), passed on to `meshrun train`")
-    parser.add_argument("--max-restarts", type=int, default=0, help="torchrun's --max-restarts on every node")
+    parser.add_argument("--max-restarts", type=int, default=0, help="torchrun's --max-restarts on every node; "
+                        "Ray: FailureConfig(max_failures), worker-group restarts")
+    parser.add_argument("--address", help="Ray: the cluster, ray://HEAD:10001 (Ray Client), HEAD:6379 or auto; "
+                                           "default RAY_ADDRESS, else a new local Ray on this machine")
     parser.add_argument("--image", help="Kubernetes: container image with meshrun and the config")
     parser.add_argument("--volume", help="Kubernetes: PersistentVolumeClaim mounted at train.run_dir")
     parser.add_argument("--namespace", help="Kubernetes namespace")
@@ -66,9 +71,11 @@ def main(argv: list[str]) -> int:
     if not args.config:
         raise ConfigError("meshrun submit needs a CONFIG (a TOML file), e.g. meshrun submit "
                           "examples/configs/tiny.toml --nodes 2 --nproc-per-node 4 --dry-run")
+    _refuse_other_schedulers_flags(args)
     if args.scheduler == "slurm":
-        _refuse_other_schedulers_flags(args)
         return _slurm(args)
+    if args.scheduler == "ray":
+        return _ray(args)
     return _kubernetes(args)
 
 
@@ -81,7 +88,7 @@ def _job(args: argparse.Namespace, cfg):
                           "its run directory); add --set train.name=NAME")
     # SLURM's nodes share this machine's filesystem: absolute paths. A Kubernetes pod reads the config
     # inside its image and the run directory on its volume: the paths as given (kubernetes.py checks them).
-    shared = args.scheduler == "slurm"
+    shared = args.scheduler in ("slurm", "ray")
     config, run_root = Path(args.config), Path(cfg.train.run_dir)
     return SubmitJob(config=config.resolve() if shared else config, name=cfg.train.name,
                      run_root=run_root.resolve() if shared else run_root, nodes=args.nodes,
@@ -89,7 +96,7 @@ def _job(args: argparse.Namespace, cfg):
                      overrides=tuple(o for o in args.overrides if not o.startswith(("train.name=", "train.run_dir="))),
                      max_restarts=args.max_restarts, time_limit=args.time, partition=args.partition,
                      account=args.account, extra=tuple(args.extra), image=args.image, volume=args.volume,
-                     namespace=args.namespace)
+                     namespace=args.namespace, address=args.address)
 
 
 def _checked(args: argparse.Namespace):
@@ -110,10 +117,21 @@ def _checked(args: argparse.Namespace):
     return cfg, job
 
 
+# Flags only one scheduler reads, refused with the others (--scheduler kubernetes leaves SLURM's unread).
+_ONLY_FOR = {"image": "kubernetes", "volume": "kubernetes", "namespace": "kubernetes", "address": "ray"}
+_NOT_FOR_RAY = {"time": "--time", "partition": "--partition", "account": "--account", "extra": "--sbatch",
+                "signal_lead": "--signal-lead", "script": "--script", "force": "--force"}
+
+
 def _refuse_other_schedulers_flags(args: argparse.Namespace) -> None:
-    for flag in ("image", "volume", "namespace"):
-        if getattr(args, flag):
-            raise ConfigError(f"--{flag} is for --scheduler kubernetes; leave it out with --scheduler slurm")
+    for dest, scheduler in _ONLY_FOR.items():
+        if getattr(args, dest) and args.scheduler != scheduler:
+            raise ConfigError(f"--{dest} is for --scheduler {scheduler}; leave it out with --scheduler {args.scheduler}")
+    if args.scheduler == "ray":
+        for dest, flag in _NOT_FOR_RAY.items():
+            if getattr(args, dest) not in (None, False, []):
+                raise ConfigError(f"{flag} is for --scheduler slurm; Ray has no such setting (docs/cluster.md: "
+                                  "how to adapt the Ray job)")
 
 
 def _slurm(args: argparse.Namespace) -> int:
@@ -158,11 +176,24 @@ def _kubernetes(args: argparse.Namespace) -> int:
     return 0
 
 
+def _ray(args: argparse.Namespace) -> int:
+    from meshrun.cluster import ray
+
+    if not args.dry_run:
+        ray.require()  # one line naming meshrun[ray], before the config's checks import torch
+    cfg, job = _checked(args)
+    if args.dry_run:
+        print(ray.render(job, cwd=Path.cwd()), end="")
+        return 0
+    return ray.submit(job, cfg, cwd=Path.cwd())
+
+
 def _status_or_cancel(args: argparse.Namespace) -> int:
     from meshrun.cluster import slurm
 
     if args.scheduler != "slurm":
-        raise ConfigError("--status/--cancel: only --scheduler slurm; for Kubernetes use kubectl")
+        raise ConfigError("--status/--cancel: only --scheduler slurm; for Kubernetes use kubectl; a Ray job's "
+                          "driver (meshrun submit) waits for it: Ctrl-C stops it")
     flag = "--status" if args.status else "--cancel"
     slurm.require("squeue" if args.status else "scancel")
     job_id = _job_id(args.config, args.overrides, flag)

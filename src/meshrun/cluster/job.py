@@ -36,6 +36,7 @@ class SubmitJob:
     image: str | None = None  # Kubernetes: the container image holding meshrun and the config
     volume: str | None = None  # Kubernetes: the PersistentVolumeClaim mounted at run_root on every node
     namespace: str | None = None  # Kubernetes: the namespace (kubectl's current one if None)
+    address: str | None = None  # Ray: the cluster (ray://HOST:10001, HOST:6379, auto); None = RAY_ADDRESS or a local Ray
     env: dict[str, str] = field(default_factory=dict)  # set on every node
 
     def __post_init__(self):
