@@ -34,8 +34,8 @@ from meshrun.testing.processes import descendants, kill_tree
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("ray") is None,
                                 reason="needs the ray extra: pip install 'meshrun[ray]' (make setup installs it)")
 
-STEPS = 120
-KILL_AT = 45  # the step after which a worker of the second job is SIGKILLed
+STEPS = 200
+KILL_AT = 45  # the step after which a worker of the second job is SIGKILLed (155 steps before the end: a late poll still kills mid-run)
 SETTINGS = ["--nodes", "2", "--nproc-per-node", "1", "--set", f"train.steps={STEPS}", "--set", "metrics.interval=1",
             "--set", "checkpoint.interval=20"]
 JOB_DEADLINE_S = 150
