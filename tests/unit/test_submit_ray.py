@@ -1,6 +1,6 @@
 """`meshrun submit --scheduler ray` without a cluster: the --dry-run call, the cluster-size check on
 `ray.nodes()`-shaped rows, flags of other schedulers refused, and meshrun's SIGTERM handlers on a
-thread other than the main one (Ray Train's). tests/e2e/test_submit_ray.py runs real jobs."""
+thread other than the main one (Ray Train's). tests/e2e/test_submit_ray_jobs.py runs real jobs."""
 
 from __future__ import annotations
 
