@@ -201,7 +201,7 @@ def test_more_nodes_than_the_cluster_has_is_one_line(cluster, runs):
     assert not (runs / "three").exists()
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(90)
 def test_a_node_count_the_layout_cannot_use_is_one_line(runs):
     result = meshrun("submit", TINY, "--scheduler", "ray", "--nodes", "3", "--set", "train.name=layout",
                      "--set", f"train.run_dir={runs}", "--set", "parallel.strategy=fsdp", "--set",
@@ -213,7 +213,7 @@ def test_a_node_count_the_layout_cannot_use_is_one_line(runs):
     assert not (runs / "layout").exists()
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(90)
 def test_ray_not_installed_is_one_line_naming_the_extra(tmp_path):
     shadow = tmp_path / "shadow"
     shadow.mkdir()

@@ -137,7 +137,6 @@ RULES = [
      "parallel.loss_parallel=true does not compose with parallel.pp=2"),
     (dict(cp=2), 4, "parallel.cp=2 shards the parameters over the data and context ranks together (FSDP over "
      "dp_shard x cp), which parallel.strategy = 'ddp' does not do; set parallel.strategy = 'fsdp'"),
-    (dict(strategy="fsdp", cp=2, pp=2), 4, "parallel.cp=2 does not compose with parallel.pp=2 (pipeline stages"),
     (dict(strategy="fsdp", cp=2, seq_len=10), 4,
      "data.seq_len=10 must divide into 2 x parallel.cp = 4 equal chunks (head-tail load balancing gives each "
      "cp rank two); e.g. data.seq_len=8 or 12"),
@@ -174,7 +173,7 @@ RULES = [
      "parallel.pp_microbatches=5 must be a multiple of parallel.pp=2 (or at most 2) for 'interleaved_1f1b'"),
 ]
 
-OPTION_RULES = 23
+OPTION_RULES = 22
 
 
 @pytest.mark.parametrize(("kwargs", "world", "expected"), RULES, ids=[r[2][:50] for r in RULES])
@@ -242,9 +241,9 @@ MESSAGES = [
     "needs parallel.pp_microbatches >= the",
     "must be a multiple of parallel.pp=",
     "ranks together (FSDP over dp_shard x cp)",
-    "(pipeline stages pass no ",
+    "cannot split the attention of model.hf=",
     "(head-tail load balancing gives each",
-    "splits the sequence of the built-in model only",
+    "splits the sequence of the built-in model and model.hf models",
     "(the ring attention runs eagerly)",
 ]
 # ConfigErrors outside rules.py that name a parallel key but are no layout rule: misuse of the build

@@ -172,13 +172,12 @@ def context_parallel_refusal(config: dict[str, Any]) -> str:
 
 
 def check_hf_context_parallel(path: str, cp: int) -> None:
-    """parallel.cp > 1 with model.hf: the architecture's attention is one the ring computes."""
-    if cp <= 1:
-        return
-    reason = context_parallel_refusal(read_hf_config(path))
-    if reason:
-        raise ConfigError(f"parallel.cp={cp} cannot split the attention of model.hf={path!r}: {CONFIG_FILE} "
-                          f"{reason}; set parallel.cp=1")
+    """parallel.cp > 1 with model.hf: the architecture's attention is one the ring computes
+    (the rule and its line: meshrun.parallel.rules.check_cp_attention)."""
+    from meshrun.parallel.rules import check_cp_attention
+
+    if cp > 1:
+        check_cp_attention(cp, path, context_parallel_refusal(read_hf_config(path)))
 
 
 def check_hf_seq_len(path: str, seq_len: int) -> None:

@@ -161,6 +161,14 @@ def check_cp_model(cp: int, *, factory: str = "") -> None:
                       f"{factory!r} is not split; set parallel.cp=1")
 
 
+def check_cp_attention(cp: int, hf: str, reason: str) -> None:
+    """parallel.cp > 1 with a model.hf whose config.json asks for an attention the ring does not
+    compute (`reason`, from models.hf_config.context_parallel_refusal; "" when it can)."""
+    if cp > 1 and reason:
+        raise ConfigError(f"parallel.cp={cp} cannot split the attention of model.hf={hf!r}: config.json "
+                          f"{reason}; set parallel.cp=1")
+
+
 def check_hf_tp(hf: str, sequence_parallel: bool, styles: dict[str, str], supported: tuple[str, ...],
                 tp: int = 2, model_type: str = "") -> None:
     """A `model.hf` model under TP: its config's base_model_tp_plan gives the block plan, in
