@@ -67,7 +67,9 @@ def test_exempt_list_is_short():
     # in docs/checkpoint.md's "Export to Hugging Face" and tests/e2e/test_generate.py instead).
     # 13: docs/cluster.md's SLURM commands need a SLURM cluster (tests/e2e/test_submit_slurm_jobs.py runs them
     # on a one-node SLURM it starts).
-    assert len(exempt) <= 13, "\n".join(f"{b.where}: {b.reason}" for b in exempt)
+    # 15: docs/cluster.md's Ray runs, on a remote cluster and on a local Ray instance (90 s of the docs
+    # run): tests/e2e/test_submit_ray_jobs.py runs the same job on a two-node local cluster it starts.
+    assert len(exempt) <= 15, "\n".join(f"{b.where}: {b.reason}" for b in exempt)
 
 
 # --- the harness itself must fail on a broken page: scratch pages, one short subprocess each ---
