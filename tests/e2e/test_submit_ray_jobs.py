@@ -56,7 +56,17 @@ def cluster():
 
     temp = tempfile.mkdtemp(prefix="mr-ray-", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
     node_args = {"num_cpus": 1, "object_store_memory": OBJECT_STORE, "temp_dir": temp}
-    ray_cluster = Cluster(initialize_head=True, head_node_args={**node_args, "include_dashboard": False})
+    # Ray writes the head's address to $RAY_TMPDIR/ray/ray_current_cluster whatever temp_dir says, and
+    # fails when that directory is missing (a fresh machine's /tmp/ray): keep it in this cluster's own
+    previous = os.environ.get("RAY_TMPDIR")
+    os.environ["RAY_TMPDIR"] = temp
+    os.makedirs(os.path.join(temp, "ray"), exist_ok=True)
+    try:
+        ray_cluster = Cluster(initialize_head=True, head_node_args={**node_args, "include_dashboard": False})
+    except BaseException:
+        _restore_env("RAY_TMPDIR", previous)
+        shutil.rmtree(temp, ignore_errors=True)
+        raise
     try:
         ray_cluster.add_node(**node_args)
         ray_cluster.wait_for_nodes()
@@ -72,7 +82,15 @@ def cluster():
         for pid, at in started.items():
             if _alive(pid, at):
                 os.kill(pid, signal.SIGKILL)
+        _restore_env("RAY_TMPDIR", previous)
         shutil.rmtree(temp, ignore_errors=True)
+
+
+def _restore_env(key: str, value: str | None) -> None:
+    if value is None:
+        os.environ.pop(key, None)
+    else:
+        os.environ[key] = value
 
 
 @pytest.fixture(scope="module")
