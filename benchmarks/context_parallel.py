@@ -14,7 +14,7 @@ row, from the most-loaded rank:
   (`meshrun.plan.measure.SavedActivations`), and `meshrun plan`'s estimate of it;
 - step: median wall seconds of the steps after the first (includes waiting on the ring's peers).
 - ring: the bytes the most-loaded rank received in the ring's collectives in the measured step
-  (`meshrun.plan.measure.ReceivedBytes`: every functional collective dispatched in it, by size),
+  (`meshrun.plan.measure.Collectives`: what the functional collectives dispatched in it brought in),
   and `meshrun plan`'s count of them (meshrun.plan.ring).
 Every figure is also given as a ratio to cp 1 at the same sequence length. On a 2-core machine
 cp 4 runs 4 processes on 2 cores, so its step time shows the oversubscription, not the speed-up
@@ -44,7 +44,7 @@ from meshrun.models.llama import ModelArgs, Transformer
 from meshrun.parallel.layout import build_layout
 from meshrun.parallel.resolve import ModelShape, ParallelOptions, resolve_layout
 from meshrun.plan import estimate
-from meshrun.plan.measure import ReceivedBytes, SavedActivations
+from meshrun.plan.measure import Collectives, SavedActivations
 from meshrun.testing import run_distributed
 from meshrun.train.step import layout_step
 
@@ -82,10 +82,10 @@ def run_one(model_args: dict, cp: int, seq: int, steps: int, with_state: bool = 
     for _ in range(steps):
         dist.barrier()
         started = time.perf_counter()
-        with SavedActivations(state) as acts, ReceivedBytes() as ring:
+        with SavedActivations(state) as acts, Collectives() as ring:
             layout_step(layout, optimizers, it, grad_accum=1, dtype="fp32", grad_clip=1.0)
         times.append(time.perf_counter() - started)
-    out = {"activations": acts.peak, "step": statistics.median(times[1:] or times), "ring": ring.bytes}
+    out = {"activations": acts.peak, "step": statistics.median(times[1:] or times), "ring": ring.received}
     if with_state:  # gradients are freed after each step: one of each parameter's size during it
         def nbytes(tensors) -> int:
             return sum(t.numel() * t.element_size() for t in (x.to_local() if hasattr(x, "to_local") else x

@@ -11,7 +11,7 @@ cp ranks, attention as torch's ring) train CP_STEPS steps against a reference as
 its parameters, gradients and AdamW state (DTensor shards counted by `to_local()`) and the peak
 bytes autograd held saved for backward in the last step (`SavedActivations`), which the memory and
 planner checks use, and, for the context-parallel layouts, the bytes the ring received in that step
-(`ReceivedBytes`), which must be within 10% of `meshrun plan`'s count. Then `meshrun train` runs
+(`Collectives.received`), which must be within 10% of `meshrun plan`'s count. Then `meshrun train` runs
 pp=2 end to end through the CLI.
 """
 
@@ -34,7 +34,7 @@ from meshrun.parallel.dims import ParallelDims
 from meshrun.parallel.parallelize import parallelize_nd, parallelize_pipeline
 from meshrun.parallel.pipeline import resolve_pipeline
 from meshrun.plan import estimate
-from meshrun.plan.measure import ReceivedBytes, SavedActivations
+from meshrun.plan.measure import Collectives, SavedActivations
 from meshrun.testing import run_distributed
 from meshrun.train.step import (
     evaluate,
@@ -150,7 +150,7 @@ def _train_layout(layout: dict, world_size: int, steps: int = STEPS) -> dict:
         # (torch's pipeline re-runs a metadata forward on the first step and after each eval).
         last = step == steps - 1
         with SavedActivations(state) if last else contextlib.nullcontext() as acts, \
-                ReceivedBytes() if last else contextlib.nullcontext() as received:
+                Collectives() if last else contextlib.nullcontext() as received:
             if pipeline is not None:
                 loss, norm, _ = train_step_pp(pipeline, optimizers, batches, pp_group=pp_group,
                                               context_parallel=cp, **step_args)
@@ -174,7 +174,7 @@ def _train_layout(layout: dict, world_size: int, steps: int = STEPS) -> dict:
         with loss_parallel() if lp else contextlib.nullcontext(), \
                 sequence_context(cp, inputs, targets) as (inputs, targets, positions):
             lm_loss(parts[0], inputs, targets, positions).backward()
-    memory = {**_memory(parts, optimizers), "activations": acts.peak, "ring": received.bytes}
+    memory = {**_memory(parts, optimizers), "activations": acts.peak, "ring": received.received}
     names = sorted(n.removeprefix("module.") for part in parts for n, _ in part.named_parameters())
     return {"losses": losses, "norms": norms, "eval": eval_loss, "memory": memory, "names": names}
 

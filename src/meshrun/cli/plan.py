@@ -29,8 +29,13 @@ params are fp32 (meshrun keeps fp32 weights; bf16 is autocast), optim is AdamW's
 ring/step (layouts with cp): what a cp rank receives per step in context parallel's ring, the
 keys and values of the other cp ranks and their gradients (communication, not memory).
 
+--simulate: the real build and one step per representative rank (each pipeline stage's first
+rank and its rank with the last shard); bytes are the local shards', collectives are per mesh
+dimension (count and this rank's input bytes per step). Pipeline layouts are not simulated yet.
+
 examples:
   meshrun plan --model 8b --world 64 --device-memory 80 --batch-size 1 --seq-len 8192
+  meshrun plan examples/configs/gpu-8b.toml --simulate --nnodes 128 --nproc-per-node 8
   meshrun plan --model tiny --world 4 --activation-checkpointing
   meshrun plan --model 1b --world 8 --seq-len 32768 --context-parallel --device-memory 80
   meshrun plan --show my.toml --world 4 --set parallel.strategy=fsdp --set parallel.tp=2
@@ -72,6 +77,15 @@ def build_parser() -> argparse.ArgumentParser:
                         "config's parallel.cp > 1)")
     p.add_argument("--top", type=positive_int, default=12,
                    help="rows of the table to print (default 12)")
+    p.add_argument("--simulate", action="store_true",
+                   help="build the config's real layout at full world size and run one training step, "
+                        "one representative rank at a time, under torch's fake process group and fake "
+                        "tensors: each rank's real shard bytes and every collective of the step")
+    p.add_argument("--nnodes", type=positive_int, default=None,
+                   help="--simulate: nodes (world = nnodes x nproc-per-node; default 1)")
+    p.add_argument("--nproc-per-node", type=positive_int, default=None,
+                   help="--simulate: ranks per node (default: --world, or launch.nproc_per_node)")
+    p.add_argument("--json", action="store_true", help="--simulate: print the result as JSON")
     p.add_argument("--show", action="store_true",
                    help="print each parameter's placements and local shape per rank for the "
                         "config's [parallel] layout instead")
@@ -167,6 +181,8 @@ def main(argv: list[str]) -> int:
     args = get_size(a.model, key="--model") if a.model else model_args_from_config(cfg.model)
     if a.world is not None and a.world < 1:
         raise ConfigError(f"--world must be >= 1, got {a.world}")
+    if a.simulate:
+        return _simulate(cfg, a)
     if a.show:
         options = ParallelOptions.from_config(cfg)
         if a.batch_size:
@@ -206,4 +222,58 @@ def main(argv: list[str]) -> int:
     print(f"\nrecommended: {best.layout} ({_fmt(best.total, unit)} {unit_name} per rank{why}); "
           "paste into your config:\n")
     print(parallel_toml(best))
+    return 0
+
+
+def _simulate_world(cfg, a) -> int:
+    """--nnodes x --nproc-per-node; else --world; else the config's fixed launch world."""
+    from meshrun.launch.args import fixed_world_size
+
+    if a.nnodes is not None or a.nproc_per_node is not None:
+        per_node = a.nproc_per_node or (fixed_world_size(cfg.launch.nproc_per_node, "1") or 1)
+        return (a.nnodes or 1) * per_node
+    if a.world is not None:
+        return a.world
+    fixed = fixed_world_size(cfg.launch.nproc_per_node, cfg.launch.nnodes)
+    if fixed is None:
+        raise ConfigError("--simulate needs the world: --nnodes N --nproc-per-node G (or --world N)")
+    return fixed
+
+
+def _simulate(cfg, a) -> int:
+    import json
+
+    from meshrun.train.simulate import simulate
+
+    if cfg.model.factory:
+        raise ConfigError(f"model.factory={cfg.model.factory!r}: --simulate builds the built-in decoder or "
+                          "model.hf; unset model.factory")
+    if a.model:
+        raise ConfigError("--model: --simulate builds the config's own model; set [model] in the config "
+                          "(or --set model.name=SIZE)")
+    world = _simulate_world(cfg, a)
+    sim = simulate(cfg, world)
+    if a.json:
+        print(json.dumps({
+            "world": world, "layout": sim.layout.describe(), "seconds": round(sim.seconds, 2), "note": sim.note,
+            "ranks": [{"rank": r.rank, "coords": r.coords, "params": r.params, "grads": r.grads, "optim": r.optim,
+                       "collectives": [vars(c) for c in r.collectives]} for r in sim.ranks]}, indent=1))
+        return 0
+    unit_name, unit = ("GiB", GIB) if max(r.state for r in sim.ranks) >= GIB else ("MiB", MIB)
+    print(f"simulated {world} ranks ({sim.layout.describe()}) in {sim.seconds:.1f} s: "
+          f"{len(sim.ranks)} representative rank(s), one training step each")
+    if sim.note:
+        print(f"note: {sim.note}")
+    cols = ("rank", "coords", "params", "grads", "optim", "state")
+    rows = [(str(r.rank), " ".join(f"{k}={v}" for k, v in r.coords.items() if sim.layout.dims.degrees.get(k, 1) > 1)
+             or "-", _fmt(r.params, unit), _fmt(r.grads, unit), _fmt(r.optim, unit), _fmt(r.state, unit))
+            for r in sim.ranks]
+    widths = [max(len(row[i]) for row in [cols, *rows]) for i in range(len(cols))]
+    print(f"{unit_name} per rank:")
+    for row in [cols, *rows]:
+        print("  ".join(c.rjust(w) for c, w in zip(row, widths, strict=True)))
+    print("\ncollectives per step (count, MiB of this rank's inputs):")
+    for r in sim.ranks:
+        uses = ", ".join(f"{c.kind} over {c.dim}: {c.count} x, {c.bytes / MIB:.1f}" for c in r.collectives)
+        print(f"  rank {r.rank}: {uses or 'none'}")
     return 0

@@ -19,6 +19,7 @@ import zlib
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
 
 from meshrun.errors import ModelError
 from meshrun.models.args import (  # noqa: F401 - re-exported: the model's shape, where it was first defined
@@ -151,7 +152,8 @@ class Transformer(nn.Module):
         (meshrun.parallel.context), and a pipeline passes each micro-batch's rows."""
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         seqlen = h.shape[1]
-        last = seqlen if positions is None else int(positions.max()) + 1
+        # (a simulated step's fake positions have no values to read: meshrun.train.simulate)
+        last = seqlen if positions is None or is_fake(positions) else int(positions.max()) + 1
         if last > self.freqs_cos.shape[0]:
             raise ModelError(
                 f"sequence length {last} exceeds model.max_seq_len={self.freqs_cos.shape[0]}; "

@@ -130,31 +130,37 @@ def is_meta(model: nn.Module) -> bool:
     return any(t.is_meta for t in itertools.chain(model.parameters(), model.buffers()))
 
 
-def materialize(module: nn.Module, device: torch.device, seed: int | None) -> None:
+def materialize(module: nn.Module, device: torch.device, seed: int | None, *, fake_mode=None) -> None:
     """Give a meta-built (and possibly sharded) `module` real storage on `device`, then fill it.
 
     `to_empty` allocates only what this rank holds (its FSDP/TP shards, its pipeline stage's
     blocks); `init_weights(seed)` draws every weight from a generator keyed by its name, so the
     values equal the eager build's in every layout, and recomputes derived buffers (RoPE).
-    A module with real storage already is left as it is.
+    A module with real storage already is left as it is. With a `fake_mode` (a FakeTensorMode:
+    meshrun.train.simulate) the storage is fake, shapes without bytes, and nothing is filled.
     """
     if not is_meta(module):
         return
     inner = unwrap_model(module)
     if not hasattr(inner, "init_weights"):
         raise TypeError(f"{type(inner).__name__} was built on the meta device but has no init_weights")
+    if fake_mode is not None:
+        with fake_mode:
+            module.to_empty(device=device)
+        return
     module.to_empty(device=device)
     inner.init_weights(seed)
 
 
 def build_layout(model: nn.Module, layout: ResolvedLayout, *, device: torch.device,
-                 seed: int | None = None, compile: bool | None = False) -> BuiltLayout:
+                 seed: int | None = None, compile: bool | None = False, fake_mode=None) -> BuiltLayout:
     """Split, shard and wrap `model` as the resolved `layout` says, materialising meta parts with `seed`.
 
     `layout` comes from `meshrun.parallel.resolve.resolve_layout`, the one place the rules live.
     Order (parallelize.py): pp split -> tp -> activation checkpointing -> fsdp -> materialise
     -> ddp. Build the optimizers on the returned layout's `parts` afterwards. `compile`
-    (train.compile) compiles each part's blocks once tp/AC/fsdp are on, before ddp.
+    (train.compile) compiles each part's blocks once tp/AC/fsdp are on, before ddp. A `fake_mode`
+    (FakeTensorMode) gives the weights fake storage (`materialize`): a simulated build.
     """
     options, world_size = layout.options, layout.world_size
     compiled: list[str] = []
@@ -163,7 +169,7 @@ def build_layout(model: nn.Module, layout: ResolvedLayout, *, device: torch.devi
 
     def init(module: nn.Module) -> None:
         compiled.extend(apply_compile(module, compile))
-        materialize(module, device, seed)
+        materialize(module, device, seed, fake_mode=fake_mode)
 
     if not layout.use_mesh:
         wrapped = parallelize(model, options, device=device, world_size=world_size,

@@ -4,9 +4,9 @@
         loss_fn(model(x), y).backward()
     print(acts.peak)
 
-`ReceivedBytes` counts the bytes this rank receives in the functional collectives run under it
-(`torch.ops._c10d_functional`: the ring of meshrun.parallel.context; FSDP and DDP call the process
-group directly and are not seen), checked against `meshrun.plan.ring`.
+`Collectives` records every collective run under it (kind, process group, count, bytes), and
+what the functional ones (`torch.ops._c10d_functional`: context parallel's ring, TP) brought in,
+which `meshrun.plan.ring` is checked against.
 
 CPU has no allocator counter and RSS is dominated by torch itself, so `meshrun plan`'s activation
 estimate is checked against this instead. Every tensor autograd saves in forward goes through
@@ -87,21 +87,76 @@ class SavedActivations:
         self._hooks.__exit__(*exc)
 
 
-class ReceivedBytes(TorchDispatchMode):
-    """Bytes this rank receives in the functional collectives dispatched while it is entered:
-    an all-gather brings (group size - 1) inputs, an all-to-all its output splits."""
+COLLECTIVE_KINDS = {
+    # torch.ops.c10d (process-group calls: FSDP, DDP, dist.*) and torch.ops._c10d_functional
+    # (functional collectives: DTensor, TP, context parallel's ring) -> one name per kind
+    "_allgather_base_": "all_gather", "allgather_": "all_gather", "allgather_into_tensor_coalesced_": "all_gather",
+    "all_gather_into_tensor": "all_gather", "all_gather_into_tensor_coalesced": "all_gather",
+    "_reduce_scatter_base_": "reduce_scatter", "reduce_scatter_": "reduce_scatter",
+    "reduce_scatter_tensor_coalesced_": "reduce_scatter", "reduce_scatter_tensor": "reduce_scatter",
+    "reduce_scatter_tensor_coalesced": "reduce_scatter",
+    "allreduce_": "all_reduce", "allreduce_coalesced_": "all_reduce", "all_reduce": "all_reduce",
+    "all_reduce_coalesced": "all_reduce",
+    "alltoall_base_": "all_to_all", "alltoall_": "all_to_all", "all_to_all_single": "all_to_all",
+    "broadcast_": "broadcast", "broadcast": "broadcast",
+}
+
+
+def _tensors(value) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [t for item in value for t in _tensors(item)]
+    return []
+
+
+def _group_name(args) -> str:
+    """The process group's name: a functional collective's `group_name` argument (its last
+    string), or the name of a c10d op's ProcessGroup (boxed as a ScriptObject)."""
+    import torch.distributed as dist
+
+    for arg in args:
+        if isinstance(arg, torch.ScriptObject):
+            try:
+                return dist.ProcessGroup.unbox(arg).group_name
+            except (RuntimeError, TypeError):
+                continue
+    names = [arg for arg in args if isinstance(arg, str)]
+    return names[-1] if names else ""
+
+
+class Collectives(TorchDispatchMode):
+    """Every collective dispatched while entered, on this rank: `records` maps (kind, process
+    group name) to [count, bytes], where bytes are this rank's input buffers (an all-gather's
+    shard, a reduce-scatter's or all-reduce's whole input); `received` adds up what the
+    all-gathers (group size - 1 inputs) and all-to-alls (the output splits) brought in.
+    `ProcessGroup.group_name` (or a DeviceMesh dimension's group) names the group."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.bytes = 0
+        self.records: dict[tuple[str, str], list[int]] = {}
+        self.received = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001 - torch's signature
         packet = getattr(func, "overloadpacket", None)
-        if packet is torch.ops._c10d_functional.all_gather_into_tensor:
-            tensor, group_size = args[0], args[1]
-            self.bytes += tensor.numel() * tensor.element_size() * (group_size - 1)
-        elif packet is torch.ops._c10d_functional.all_to_all_single:
+        namespace = getattr(packet, "_qualified_op_name", "").split("::")[0]
+        kind = COLLECTIVE_KINDS.get(getattr(packet, "__name__", "")) if namespace in ("c10d", "_c10d_functional") else None
+        if kind is not None:
+            self._record(namespace, kind, args)
+        return func(*args, **(kwargs or {}))
+
+    def _record(self, namespace: str, kind: str, args) -> None:
+        # c10d ops take (output(s), input(s), group, ...) for gathers and scatters, and (tensors,
+        # group, ...) otherwise; functional ones take the input first
+        gathers = namespace == "c10d" and kind in ("all_gather", "reduce_scatter", "all_to_all")
+        inputs = _tensors(args[1] if gathers else args[0])
+        nbytes = sum(t.numel() * t.element_size() for t in inputs)
+        entry = self.records.setdefault((kind, _group_name(args)), [0, 0])
+        entry[0] += 1
+        entry[1] += nbytes
+        if namespace == "_c10d_functional" and kind == "all_gather":
+            self.received += nbytes * (args[1] - 1)  # (input, group_size, group_name)
+        elif namespace == "_c10d_functional" and kind == "all_to_all":
             tensor, output_split_sizes = args[0], args[1]
             row = tensor.element_size() * (tensor[0].numel() if tensor.dim() > 1 else 1)
-            self.bytes += sum(output_split_sizes) * row
-        return func(*args, **(kwargs or {}))
+            self.received += sum(output_split_sizes) * row

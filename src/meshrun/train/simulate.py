@@ -1,0 +1,300 @@
+"""The real layout at full world size, in this one process: `meshrun plan CONFIG --simulate`.
+
+    sim = simulate(cfg, nnodes=128, nproc_per_node=8)         # 1,024 ranks, a few of them built
+    for rank in sim.ranks:
+        print(rank.rank, rank.params, rank.grads, rank.optim, rank.collectives)
+
+For each representative rank the build a launch would do runs here, for real: the resolver
+(`resolve_layout`, the same one-line refusals as a launch), the DeviceMesh of the whole world,
+`build_layout` (pp split, TP, activation checkpointing, FSDP/HSDP, context parallel, DDP), the
+run's optimizer, and one training step (`layout_step`: micro-batches, the pipeline schedule,
+the loss, clipping, the optimizer step). Two things of torch make that possible on a laptop:
+- its fake process group (backend "fake", `torch.testing._internal.distributed.fake_pg`): this
+  process is rank r of N and every collective returns at once, moving nothing;
+- `FakeTensorMode`: the weights, activations and optimizer state have shapes, dtypes and devices
+  but no storage, and no kernel runs. `build_layout(fake_mode=...)` gives the sharded weights
+  fake storage instead of filling them.
+So the bytes below are those of the real local shards, and the collectives are the ones the
+step issued (`meshrun.plan.measure.Collectives`), named by their mesh dimension.
+
+Not yet: pipeline stages (torch's schedule reads a tensor value at its first step: the P2P
+warm-up vote, `result.item()` in schedules.py `_warmup_p2p`), refused in one line; peak memory
+and projected time.
+
+Representative ranks: shapes differ only by pipeline stage and by the last shard of an uneven
+split, so each stage is simulated at its first rank and at the rank with the last dp_shard, cp
+and tp coordinates (the same rank when they coincide). Gradients are counted as one per
+trainable parameter's local shard (what FSDP/DDP hold during a step); optimizer bytes are the
+state the step created.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from meshrun.errors import ConfigError
+from meshrun.parallel.resolve import ResolvedLayout
+
+
+@dataclass(frozen=True)
+class CollectiveUse:
+    """One kind of collective over one mesh dimension in a training step, on one rank."""
+
+    kind: str  # all_gather, reduce_scatter, all_reduce, all_to_all, broadcast, send, recv
+    dim: str  # the mesh dimension (or flattened dimensions, e.g. "dp"); "world" for the default group
+    count: int
+    bytes: int  # this rank's input buffers, summed over the calls
+
+
+@dataclass(frozen=True)
+class RankSimulation:
+    """What one rank holds and communicates in one training step."""
+
+    rank: int
+    coords: dict[str, int]  # its coordinate on each mesh dimension
+    params: int
+    grads: int
+    optim: int
+    collectives: tuple[CollectiveUse, ...] = field(default_factory=tuple)
+
+    @property
+    def state(self) -> int:
+        return self.params + self.grads + self.optim
+
+
+def representative_ranks(layout: ResolvedLayout) -> list[int]:
+    """Each pipeline stage's first rank and its rank with the last dp_shard, cp and tp coordinates."""
+    from meshrun.parallel.dims import MESH_AXES
+
+    dims = layout.dims
+    shape = [getattr(dims, name) for name in MESH_AXES] if layout.use_mesh else [dims.world_size]
+    stride = [1] * len(shape)
+    for i in range(len(shape) - 2, -1, -1):
+        stride[i] = stride[i + 1] * shape[i + 1]
+    if not layout.use_mesh:  # plain DDP: every rank alike but the last by nothing; one is enough
+        return [0]
+    axis = {name: i for i, name in enumerate(MESH_AXES)}
+    ranks = []
+    for stage in range(dims.pp):
+        first = stage * stride[axis["pp"]]
+        last = first + sum((shape[axis[name]] - 1) * stride[axis[name]] for name in ("dp_shard", "cp", "tp"))
+        ranks += [r for r in (first, last) if r not in ranks]
+    return ranks
+
+
+def _mesh_dims(layout) -> dict[str, str]:
+    """Process group name -> the mesh dimension(s) it spans, for the process groups this process
+    knows. A group is named by its ranks, not its object: DTensor and FSDP may create their own
+    groups over a dimension's ranks (the same communication), and group names differ between
+    processes that created groups in another order."""
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _world
+
+    by_ranks: dict[tuple[int, ...], str] = {}
+    mesh = layout.mesh
+    if mesh is not None:
+        for dim in mesh.mesh_dim_names or ():
+            by_ranks.setdefault(tuple(dist.get_process_group_ranks(mesh[dim].get_group())), dim)
+        root = getattr(mesh, "_get_root_mesh", lambda: mesh)()
+        for flat, sub in getattr(root, "_flatten_mapping", {}).items():  # "dp", "dp_shard_cp"
+            by_ranks.setdefault(tuple(dist.get_process_group_ranks(sub.get_group())), flat)
+    by_ranks.setdefault(tuple(range(dist.get_world_size())), "world")
+    names = {}
+    for group in list(_world.pg_names):
+        ranks = tuple(dist.get_process_group_ranks(group))
+        names[group.group_name] = by_ranks.get(ranks, "ranks " + ",".join(map(str, ranks)))
+    return names
+
+
+def _nbytes(tensors) -> int:
+    total = 0
+    for t in tensors:
+        local = t.to_local() if hasattr(t, "to_local") else t
+        total += local.numel() * local.element_size()
+    return total
+
+
+def simulate_rank(build_model: Callable[[], nn.Module], layout: ResolvedLayout, rank: int, *,
+                  build_optimizer: Callable[[nn.Module], torch.optim.Optimizer], seq_len: int, dtype: str = "fp32", grad_clip: float = 1.0, grad_accum: int = 1,
+                  device_type: str = "cpu") -> RankSimulation:
+    """Build `layout` as rank `rank` of its world under a fake process group and fake tensors,
+    and run one training step; the process group is gone again when this returns.
+
+    `build_model()` returns the model on the meta device (as the trainer builds it);
+    `build_optimizer(part)` the run's optimizer of one built part. Every rank reads
+    `layout.options.batch_size` sequences of `seq_len` tokens per micro-batch.
+    """
+    import torch.distributed as dist
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.testing._internal.distributed.fake_pg import (
+        FakeStore,  # registers the "fake" backend
+    )
+
+    from meshrun.parallel.layout import build_layout
+    from meshrun.plan.measure import Collectives
+    from meshrun.train.step import layout_step
+
+    if dist.is_initialized():
+        raise RuntimeError("simulate_rank needs a process without a process group (it creates a fake one)")
+    dist.init_process_group("fake", rank=rank, world_size=layout.world_size, store=FakeStore())
+    try:
+        model = build_model()
+        fake = FakeTensorMode(allow_non_fake_inputs=True)
+        device = torch.device(device_type)
+        built = build_layout(model, layout, device=device, seed=0, fake_mode=fake)
+        for part in built.parts:
+            if isinstance(part, DistributedDataParallel):
+                part.register_comm_hook(part.process_group, _all_reduce_hook)
+        optimizers = [build_optimizer(part) for part in built.parts]
+        groups = _mesh_dims(built)
+        with fake:
+            tokens = torch.zeros(layout.options.batch_size, seq_len, dtype=torch.long, device=device)
+
+            def batches() -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+                while True:
+                    yield tokens, tokens
+
+            with Collectives() as comms:
+                layout_step(built, optimizers, batches(), grad_accum=grad_accum, dtype=dtype, grad_clip=grad_clip)
+        return rank_usage(built, optimizers, comms, groups)
+    finally:
+        dist.destroy_process_group()
+
+
+def _all_reduce_hook(group, bucket):  # noqa: ANN202 - DDP refuses a string annotation (this module's are)
+    """DDP's all-reduce of a gradient bucket, as its default hook issues it; the fake process
+    group's work carries no result, which DDP's reducer needs, so the future here holds the bucket."""
+    import torch.distributed as dist
+
+    buffer = bucket.buffer()
+    dist.all_reduce(buffer, group=group, async_op=True)
+    future: torch.futures.Future = torch.futures.Future()
+    future.set_result(buffer)
+    return future
+
+
+def rank_usage(built, optimizers: list[torch.optim.Optimizer], comms, groups: dict[str, str] | None = None
+               ) -> RankSimulation:
+    """This rank's bytes and collectives after a step of `built` (a BuiltLayout) recorded by
+    `comms` (a `Collectives`): what `simulate_rank` reports, and what a real run measures the same way."""
+    import torch.distributed as dist
+
+    from meshrun.parallel.dims import MESH_AXES
+
+    groups = _mesh_dims(built) if groups is None else groups
+    params = [p for part in built.parts for p in part.parameters()]
+    states = [v for opt in optimizers for s in opt.state.values() for v in s.values() if torch.is_tensor(v)]
+    coords = {}
+    if built.mesh is not None:
+        coords = dict(zip(MESH_AXES, built.mesh.get_coordinate() or (), strict=False))
+    uses = tuple(CollectiveUse(kind, groups.get(group, group or "?"), count, nbytes)
+                 for (kind, group), (count, nbytes) in sorted(comms.records.items()))
+    return RankSimulation(dist.get_rank() if dist.is_initialized() else 0, coords, _nbytes(params),
+                          _nbytes(p for p in params if p.requires_grad), _nbytes(states), uses)
+
+
+RANK_TIMEOUT_S = 900.0
+"""The most one simulated rank may take (an 8B model's build and step take seconds)."""
+
+
+def simulate_rank_isolated(*args, timeout: float = RANK_TIMEOUT_S, **kwargs) -> RankSimulation:
+    """`simulate_rank` in a forked child process, so that each simulated rank starts from a clean
+    torch: DTensor caches its sharding decisions per process, keyed by a mesh that compares
+    equal across fake worlds, and a cached local shape of rank 0 (an uneven shard) would be
+    rank 1's (measured: a 259-token vocabulary under TP 2). A MeshrunError in the child is
+    raised here as itself; anything else as one MeshrunError line naming the rank."""
+    import multiprocessing
+    import traceback
+
+    from meshrun.errors import MeshrunError
+
+    context = multiprocessing.get_context("fork")
+    reader, writer = context.Pipe(duplex=False)
+
+    def child() -> None:
+        import logging
+        import warnings
+
+        warnings.simplefilter("ignore")  # the real run's warnings (FSDP views, DTensor's redistributions)
+        logging.getLogger("torch.distributed").setLevel(logging.ERROR)
+        try:
+            writer.send(("ok", simulate_rank(*args, **kwargs)))
+        except MeshrunError as exc:
+            writer.send(("meshrun", exc))
+        except BaseException as exc:  # noqa: BLE001 - reported to the parent as one line
+            where = traceback.extract_tb(exc.__traceback__)[-1]
+            writer.send(("error", f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]} "
+                                  f"(at {where.filename.rsplit('/', 1)[-1]}:{where.lineno})"))
+
+    process = context.Process(target=child, daemon=True)
+    process.start()
+    writer.close()
+    try:
+        if not reader.poll(timeout):
+            raise MeshrunError(f"--simulate: rank {args[2]} took over {timeout:.0f} s; stopped")
+        kind, value = reader.recv()
+    except EOFError:
+        kind, value = "error", f"the process simulating it exited with code {process.exitcode}"
+    finally:
+        if process.is_alive():
+            process.kill()  # by its pid
+        process.join(10)
+    if kind == "ok":
+        return value
+    if kind == "meshrun":
+        raise value
+    raise MeshrunError(f"--simulate: rank {args[2]} could not be built and stepped under fake tensors ({value}); "
+                       "a limit of the simulation, not necessarily of the layout: run it for real to check")
+
+
+@dataclass(frozen=True)
+class Simulation:
+    layout: ResolvedLayout
+    ranks: list[RankSimulation]
+    seconds: float
+    note: str = ""  # what was assumed (a tokenizer not readable here)
+
+
+def simulate(cfg, world_size: int, *, vocab_size: int | None = None) -> Simulation:
+    """`cfg`'s model, layout and optimizer at `world_size` ranks: each representative rank built
+    and stepped once (`simulate_rank`). Refusals are the launch's, one line each."""
+    from meshrun.models.factory import build_model
+    from meshrun.models.from_config import model_args_from_config
+    from meshrun.models.meta import on_meta
+    from meshrun.parallel.resolve import ModelShape, ParallelOptions, resolve_layout
+    from meshrun.train.optimizers import build_optimizer
+
+    started = time.perf_counter()
+    note = ""
+    if vocab_size is None:  # the run's tokenizer, as the launch's preflight reads it
+        from meshrun.data.tokenizer import load_tokenizer
+        from meshrun.errors import MeshrunError
+
+        try:
+            vocab_size = load_tokenizer(cfg.data.tokenizer).vocab_size
+        except MeshrunError:  # planned on another machine than the cluster's: the model's own, said
+            vocab_size = model_args_from_config(cfg.model).vocab_size
+            note = (f"data.tokenizer={cfg.data.tokenizer!r} is not readable here: the model's own vocabulary "
+                    f"({vocab_size}) is simulated")
+    shape = ModelShape.from_args(model_args_from_config(cfg.model, vocab_size)) if not cfg.model.factory else None
+    layout = resolve_layout(ParallelOptions.from_config(cfg), world_size, shape)
+    if layout.dims.pp > 1:
+        raise ConfigError(f"--simulate runs no pipeline stages yet ({layout.describe()}): torch's schedule reads a "
+                          "tensor's value in its first step, which a fake tensor has none of; plan this layout "
+                          "without --simulate")
+
+    def model() -> nn.Module:
+        with on_meta():
+            return build_model(cfg.model, vocab_size, seed=cfg.train.seed)
+
+    ranks = [simulate_rank_isolated(model, layout, rank, build_optimizer=lambda part: build_optimizer(part, cfg.optim),
+                           seq_len=cfg.data.seq_len, dtype=cfg.train.dtype,
+                           grad_clip=cfg.train.grad_clip, grad_accum=layout.options.grad_accum)
+             for rank in representative_ranks(layout)]
+    return Simulation(layout, ranks, time.perf_counter() - started, note)
