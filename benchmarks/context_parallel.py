@@ -44,7 +44,7 @@ from meshrun.models.llama import ModelArgs, Transformer
 from meshrun.parallel.layout import build_layout
 from meshrun.parallel.resolve import ModelShape, ParallelOptions, resolve_layout
 from meshrun.plan import estimate
-from meshrun.plan.measure import Collectives, SavedActivations
+from meshrun.plan.measure import Collectives, SavedActivations, local_bytes
 from meshrun.testing import run_distributed
 from meshrun.train.step import layout_step
 
@@ -87,12 +87,8 @@ def run_one(model_args: dict, cp: int, seq: int, steps: int, with_state: bool = 
         times.append(time.perf_counter() - started)
     out = {"activations": acts.peak, "step": statistics.median(times[1:] or times), "ring": ring.received}
     if with_state:  # gradients are freed after each step: one of each parameter's size during it
-        def nbytes(tensors) -> int:
-            return sum(t.numel() * t.element_size() for t in (x.to_local() if hasattr(x, "to_local") else x
-                                                             for x in tensors))
-
         opt_state = [v for o in optimizers for st in o.state.values() for v in st.values() if torch.is_tensor(v)]
-        out["state"] = 2 * nbytes(layout.parts[0].parameters()) + nbytes(opt_state)
+        out["state"] = 2 * local_bytes(layout.parts[0].parameters()) + local_bytes(opt_state)
     return out
 
 

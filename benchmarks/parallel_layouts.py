@@ -29,6 +29,7 @@ import torch.distributed as dist
 from meshrun.models.llama import ModelArgs, Transformer
 from meshrun.parallel.parallelize import parallelize_nd, parallelize_pipeline
 from meshrun.parallel.resolve import ModelShape, ParallelOptions, resolve_layout
+from meshrun.plan.measure import local_bytes
 from meshrun.testing import run_distributed
 from meshrun.train.step import train_step, train_step_pp
 
@@ -53,14 +54,6 @@ def options_for(layout: dict, global_batch: int) -> ParallelOptions:
     keys = {"strategy": "fsdp", "dp_replicate": 1, "dp_shard": 1, "tp": 1, "pp": 1, **layout}
     dp_size = keys["dp_replicate"] * keys["dp_shard"]
     return ParallelOptions(**keys, batch_size=global_batch // dp_size)
-
-
-def _local_bytes(tensors) -> int:
-    total = 0
-    for t in tensors:
-        local = t.to_local() if hasattr(t, "to_local") else t
-        total += local.numel() * local.element_size()
-    return total
 
 
 def run_layout(layout: dict, model_args: dict, batch: int, seq: int, steps: int, warmup: int) -> dict:
@@ -104,7 +97,7 @@ def run_layout(layout: dict, model_args: dict, batch: int, seq: int, steps: int,
         if step == 0:
             params = [p for part in parts for p in part.parameters()]
             optim = [v for o in optimizers for s in o.state.values() for v in s.values() if torch.is_tensor(v)]
-            state = 2 * _local_bytes(params) + _local_bytes(optim)  # grads are shaped like params
+            state = 2 * local_bytes(params) + local_bytes(optim)  # grads are shaped like params
     return {"step": statistics.median(times[warmup:]), "state": state,
             "rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
 

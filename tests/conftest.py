@@ -281,9 +281,22 @@ def train_tiny(tmp: Path, name: str, *args: str, timeout: float = 240,
     return result, tmp / name
 
 
-def metrics_records(run_dir: Path, kind: str | None = None) -> list[dict]:
-    """The rows of a run's metrics.jsonl, in order; only those of `kind` ("train", "eval") if given."""
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+def metrics_records(run_dir: Path, kind: str | None = None, *, partial: bool = False) -> list[dict]:
+    """The rows of a run's metrics.jsonl, in order; only those of `kind` ("train", "eval") if given.
+    `partial`: of a run still writing it (no file yet: none; a torn last line: skipped)."""
+    try:
+        lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    except FileNotFoundError:
+        if not partial:
+            raise
+        return []
+    rows = []
+    for line in lines:
+        try:
+            rows.append(json.loads(line))
+        except ValueError:
+            if not partial:
+                raise
     return [r for r in rows if kind is None or r.get("kind") == kind]
 
 

@@ -5,7 +5,8 @@ A 4-rank gloo launch per layout builds it through the trainer's path (`resolve_l
 its local parameters, gradients and optimizer state and every collective of the step (kind, mesh
 dimension, count, bytes; `meshrun.plan.measure.Collectives`). Then this process simulates every
 rank of every layout (`meshrun.train.simulate.simulate_rank_isolated`: a fake process group and
-fake tensors, nothing computed, each rank in a forked child) and must find the same, exactly.
+fake tensors, nothing computed, each rank in a child of the harness's forkserver, so a clean torch)
+and must find the same, exactly.
 Through the CLI: `meshrun plan --simulate` of tiny (an uneven 259-token vocabulary) under FSDP 4 x
 TP 2 on 8 ranks, its --json, and a pipeline layout refused in one line.
 """
@@ -83,11 +84,14 @@ def real() -> dict[str, list]:
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_every_simulated_rank_holds_and_sends_what_the_real_rank_does(real, name):
+    from meshrun.testing.harness import _context
     from meshrun.train.simulate import simulate_rank_isolated
 
     layout = _layout(name)
     for rank in range(WORLD):
-        sim = simulate_rank_isolated(_model, layout, rank, build_optimizer=_optimizer, seq_len=SEQ, grad_accum=layout.options.grad_accum)
+        # a child of the harness's forkserver: a clean torch, as a rank of a real launch has
+        sim = simulate_rank_isolated(_model, layout, rank, build_optimizer=_optimizer, seq_len=SEQ,
+                                     grad_accum=layout.options.grad_accum, context=_context())
         got = real[name][rank]
         assert (sim.params, sim.grads, sim.optim) == (got.params, got.grads, got.optim), (name, rank, sim, got)
         assert sim.coords == got.coords, (name, rank)

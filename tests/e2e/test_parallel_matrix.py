@@ -34,7 +34,7 @@ from meshrun.parallel.dims import ParallelDims
 from meshrun.parallel.parallelize import parallelize_nd, parallelize_pipeline
 from meshrun.parallel.pipeline import resolve_pipeline
 from meshrun.plan import estimate
-from meshrun.plan.measure import Collectives, SavedActivations
+from meshrun.plan.measure import Collectives, SavedActivations, local_bytes
 from meshrun.testing import run_distributed
 from meshrun.train.step import (
     evaluate,
@@ -98,19 +98,11 @@ def _batches(dp_rank: int, dp_size: int, seed: int = 1000):
         yield tokens[rows, :-1], tokens[rows, 1:]
 
 
-def _local_bytes(tensors) -> int:
-    total = 0
-    for t in tensors:
-        local = t.to_local() if hasattr(t, "to_local") else t
-        total += local.numel() * local.element_size()
-    return total
-
-
 def _memory(parts, optimizers) -> dict[str, int]:
     params = [p for part in parts for p in part.parameters()]
     states = [v for opt in optimizers for s in opt.state.values() for v in s.values() if torch.is_tensor(v)]
-    return {"params": _local_bytes(params), "grads": _local_bytes(p.grad for p in params if p.grad is not None),
-            "optim": _local_bytes(states)}
+    return {"params": local_bytes(params), "grads": local_bytes(p.grad for p in params if p.grad is not None),
+            "optim": local_bytes(states)}
 
 
 def _train_layout(layout: dict, world_size: int, steps: int = STEPS) -> dict:

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import BIN, TINY, child_env, meshrun
+from conftest import BIN, TINY, child_env, meshrun, metrics_records
 
 from meshrun.runtime import events
 from meshrun.testing.processes import descendants, kill_tree
@@ -119,21 +119,6 @@ def _finish(proc: subprocess.Popen, log: Path, deadline: float) -> str:
     return log.read_text()
 
 
-def _rows(run_dir: Path, kind: str) -> list[dict]:
-    """metrics.jsonl's rows of `kind` so far (none before the file exists; a torn last line skipped)."""
-    try:
-        lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    except OSError:
-        return []
-    rows = []
-    for line in lines:
-        try:
-            rows.append(json.loads(line))
-        except ValueError:
-            continue
-    return [r for r in rows if r.get("kind") == kind]
-
-
 def _weights(run_dir: Path) -> dict:
     return torch.load(run_dir / "model.pt", weights_only=True)
 
@@ -185,21 +170,21 @@ def test_killed_worker_resumes_exactly(cluster, runs, uninterrupted):
     proc, log = _start(cluster, runs, "killed", "--max-restarts", "1")
     run_dir = runs / "killed"
     first = _first_workers(cluster, run_dir, proc, log, deadline)
-    while not any(r["step"] >= KILL_AT for r in _rows(run_dir, "train")):
+    while not any(r["step"] >= KILL_AT for r in metrics_records(run_dir, "train", partial=True)):
         assert time.monotonic() < deadline and proc.poll() is None, f"never reached step {KILL_AT}\n{log.read_text()[-4000:]}"
         time.sleep(0.05)
     os.kill(first[1], signal.SIGKILL)  # rank 1's Ray worker process, mid-run
-    killed_at, killed_step = time.time(), max(r["step"] for r in _rows(run_dir, "train"))
+    killed_at, killed_step = time.time(), max(r["step"] for r in metrics_records(run_dir, "train", partial=True))
     out = _finish(proc, log, deadline)
     assert proc.returncode == 0, out[-4000:]
 
     assert json.loads((run_dir / "finished.json").read_text())["step"] == STEPS
     starts = sorted((r["rank"], r["attempt"]) for r in events.read(run_dir) if r["event"] == "worker_start")
     assert starts == [(0, 0), (0, 1), (1, 0), (1, 1)], starts  # Ray's restart is attempt 1 to meshrun
-    metas = [r for r in _rows(run_dir, "meta") if "start_step" in r]
+    metas = [r for r in metrics_records(run_dir, "meta", partial=True) if "start_step" in r]
     resumed = metas[-1]["start_step"]
     assert len(metas) == 2 and resumed % 20 == 0 and 0 < resumed <= killed_step, (metas, killed_step)
-    after = next(r for r in _rows(run_dir, "train") if r["step"] > resumed and r["time"] > killed_at)
+    after = next(r for r in metrics_records(run_dir, "train", partial=True) if r["step"] > resumed and r["time"] > killed_at)
     print(f"\nworker killed at step >= {killed_step}; resumed from the checkpoint of step {resumed}; first step after "
           f"the resume (step {after['step']}) {after['time'] - killed_at:.1f} s after the kill")
 

@@ -38,6 +38,15 @@ def _local(t: torch.Tensor) -> torch.Tensor:
         t = inner
 
 
+def local_bytes(tensors) -> int:
+    """Bytes this rank holds of `tensors`: a DTensor's local shard, a plain tensor whole."""
+    total = 0
+    for t in tensors:
+        local = t.to_local() if hasattr(t, "to_local") else t
+        total += local.numel() * local.element_size()
+    return total
+
+
 class _Saved:
     """What autograd keeps in place of the tensor; its death tells us autograd released it."""
 

@@ -112,14 +112,6 @@ def _mesh_dims(layout) -> dict[str, str]:
     return names
 
 
-def _nbytes(tensors) -> int:
-    total = 0
-    for t in tensors:
-        local = t.to_local() if hasattr(t, "to_local") else t
-        total += local.numel() * local.element_size()
-    return total
-
-
 def simulate_rank(build_model: Callable[[], nn.Module], layout: ResolvedLayout, rank: int, *,
                   build_optimizer: Callable[[nn.Module], torch.optim.Optimizer], seq_len: int, dtype: str = "fp32", grad_clip: float = 1.0, grad_accum: int = 1,
                   device_type: str = "cpu") -> RankSimulation:
@@ -186,6 +178,7 @@ def rank_usage(built, optimizers: list[torch.optim.Optimizer], comms, groups: di
     import torch.distributed as dist
 
     from meshrun.parallel.dims import MESH_AXES
+    from meshrun.plan.measure import local_bytes
 
     groups = _mesh_dims(built) if groups is None else groups
     params = [p for part in built.parts for p in part.parameters()]
@@ -195,44 +188,51 @@ def rank_usage(built, optimizers: list[torch.optim.Optimizer], comms, groups: di
         coords = dict(zip(MESH_AXES, built.mesh.get_coordinate() or (), strict=False))
     uses = tuple(CollectiveUse(kind, groups.get(group, group or "?"), count, nbytes)
                  for (kind, group), (count, nbytes) in sorted(comms.records.items()))
-    return RankSimulation(dist.get_rank() if dist.is_initialized() else 0, coords, _nbytes(params),
-                          _nbytes(p for p in params if p.requires_grad), _nbytes(states), uses)
+    return RankSimulation(dist.get_rank() if dist.is_initialized() else 0, coords, local_bytes(params),
+                          local_bytes(p for p in params if p.requires_grad), local_bytes(states), uses)
 
 
 RANK_TIMEOUT_S = 900.0
 """The most one simulated rank may take (an 8B model's build and step take seconds)."""
 
 
-def simulate_rank_isolated(*args, timeout: float = RANK_TIMEOUT_S, **kwargs) -> RankSimulation:
-    """`simulate_rank` in a forked child process, so that each simulated rank starts from a clean
-    torch: DTensor caches its sharding decisions per process, keyed by a mesh that compares
-    equal across fake worlds, and a cached local shape of rank 0 (an uneven shard) would be
-    rank 1's (measured: a 259-token vocabulary under TP 2). A MeshrunError in the child is
-    raised here as itself; anything else as one MeshrunError line naming the rank."""
-    import multiprocessing
+def _simulate_child(writer, args: tuple, kwargs: dict) -> None:
+    """In the child process: `simulate_rank(*args, **kwargs)`, its result or error sent on `writer`."""
+    import logging
     import traceback
+    import warnings
 
     from meshrun.errors import MeshrunError
 
-    context = multiprocessing.get_context("fork")
+    warnings.simplefilter("ignore")  # the real run's warnings (FSDP views, DTensor's redistributions)
+    logging.getLogger("torch.distributed").setLevel(logging.ERROR)
+    try:
+        writer.send(("ok", simulate_rank(*args, **kwargs)))
+    except MeshrunError as exc:
+        writer.send(("meshrun", exc))
+    except BaseException as exc:  # noqa: BLE001 - reported to the parent as one line
+        where = traceback.extract_tb(exc.__traceback__)[-1]
+        writer.send(("error", f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]} "
+                              f"(at {where.filename.rsplit('/', 1)[-1]}:{where.lineno})"))
+
+
+def simulate_rank_isolated(*args, timeout: float = RANK_TIMEOUT_S, context=None, **kwargs) -> RankSimulation:
+    """`simulate_rank` in a child process, so that each simulated rank starts from a clean torch:
+    DTensor caches its sharding decisions per process, keyed by a mesh that compares equal across
+    fake worlds, and a cached local shape of rank 0 (an uneven shard) would be rank 1's (measured:
+    a 259-token vocabulary under TP 2); a process that ran DTensor ops before may also issue fewer
+    collectives (TP's output all-gather, measured). `context`: a multiprocessing context, by
+    default "fork" (this process has built nothing: the CLI); a process that has (a test session)
+    passes a forkserver's, whose children start from the server's clean imports, and then the
+    arguments must pickle. A MeshrunError in the child is raised here as itself; anything else as
+    one MeshrunError line naming the rank."""
+    import multiprocessing
+
+    from meshrun.errors import MeshrunError
+
+    context = context or multiprocessing.get_context("fork")
     reader, writer = context.Pipe(duplex=False)
-
-    def child() -> None:
-        import logging
-        import warnings
-
-        warnings.simplefilter("ignore")  # the real run's warnings (FSDP views, DTensor's redistributions)
-        logging.getLogger("torch.distributed").setLevel(logging.ERROR)
-        try:
-            writer.send(("ok", simulate_rank(*args, **kwargs)))
-        except MeshrunError as exc:
-            writer.send(("meshrun", exc))
-        except BaseException as exc:  # noqa: BLE001 - reported to the parent as one line
-            where = traceback.extract_tb(exc.__traceback__)[-1]
-            writer.send(("error", f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]} "
-                                  f"(at {where.filename.rsplit('/', 1)[-1]}:{where.lineno})"))
-
-    process = context.Process(target=child, daemon=True)
+    process = context.Process(target=_simulate_child, args=(writer, args, kwargs), daemon=True)
     process.start()
     writer.close()
     try:
