@@ -130,3 +130,14 @@ def test_meshrun_plan_simulate_reports_each_representative_rank(tmp_path):
                       "parallel.strategy=fsdp", "--set", "parallel.pp=2", timeout=60, cwd=tmp_path)
     assert refused.returncode == 2 and refused.stderr.strip().splitlines()[-1].startswith(
         "meshrun plan: error: --simulate runs no pipeline stages yet"), refused.output
+    tiny = str(EXAMPLES / "configs" / "tiny.toml")
+    for extra, line in (
+            (["--model", "8b"], "meshrun plan: error: --model: --simulate builds the config's own model; set [model] "
+                                "in the config (or --set model.name=SIZE)"),
+            (["--set", "launch.nproc_per_node=auto"], "meshrun plan: error: --simulate needs the world: --nnodes N "
+                                                      "--nproc-per-node G (or --world N)"),
+            (["--world", "2", "--set", "model.factory=mymodel:build"],
+             "meshrun plan: error: model.factory='mymodel:build': meshrun plan knows only the built-in decoder's "
+             "shapes; unset model.factory or use --model SIZE")):
+        bad = meshrun("plan", tiny, "--simulate", *extra, timeout=60, cwd=tmp_path)
+        assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [line], (extra, bad.output)

@@ -245,9 +245,6 @@ def _simulate(cfg, a) -> int:
 
     from meshrun.train.simulate import simulate
 
-    if cfg.model.factory:
-        raise ConfigError(f"model.factory={cfg.model.factory!r}: --simulate builds the built-in decoder or "
-                          "model.hf; unset model.factory")
     if a.model:
         raise ConfigError("--model: --simulate builds the config's own model; set [model] in the config "
                           "(or --set model.name=SIZE)")
