@@ -27,7 +27,9 @@ from meshrun.parallel.rules import (
 # sizes near 2**63 overflowed torch's storage size in the meta build (a traceback, not a line).
 MAX_SEQ_LEN = 1 << 24
 HF_SHAPE_KEYS = ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden", "max_seq_len",
-                 "tie_embeddings", "rope_theta", "norm_eps")
+                 "tie_embeddings", "rope_theta", "norm_eps", "experts", "experts_per_token", "shared_experts",
+                 "moe_every", "moe_hidden", "moe_balance", "moe_aux_coef", "moe_bias_rate")
+MOE_COUNT_KEYS = ("experts", "experts_per_token", "shared_experts", "moe_every", "moe_hidden")
 
 SCHEDULES = ("cosine", "constant", "linear", "wsd")  # optim.schedule (meshrun.train.schedules)
 OPTIMIZERS = ("adamw", "adam", "sgd", "adafactor", "muon")  # optim.name (meshrun.train.optimizers)
@@ -43,7 +45,7 @@ class ModelSection(Section):
     """The network: a named size, optionally overridden field by field."""
 
     section = "model"
-    name: str = doc_field("tiny", "Named size: 'tiny', 'small', 'base', '1b' or '8b'; the size fields below override it.")
+    name: str = doc_field("tiny", "Named size: 'tiny', 'tiny-moe' (tiny with 4 experts, top 2, 1 shared), 'small', 'base', '1b' or '8b'; the size fields below override it.")
     factory: str = doc_field("", "'' = the built-in Llama-style decoder; 'pkg.module:fn' = your fn(model_cfg, vocab_size) or fn() returns the nn.Module.")
     vocab_size: int = doc_field(0, "Vocabulary size, at least the tokenizer's; 0 = the tokenizer's (byte: 256 + special tokens).")
     dim: int = doc_field(0, "Width of the residual stream (embedding size); 0 = the named size's.")
@@ -55,6 +57,14 @@ class ModelSection(Section):
     tie_embeddings: bool | None = doc_field(None, "Share one matrix between the token embedding and the output projection; 'auto' = the named size's.")
     rope_theta: float = doc_field(0.0, "RoPE base frequency; 0 = the named size's (10000 unless it says otherwise).")
     norm_eps: float = doc_field(0.0, "RMSNorm epsilon; 0 = the named size's (1e-5 unless it says otherwise).")
+    experts: int = doc_field(0, "Routed experts of a mixture-of-experts feed-forward; 0 = the named size's (dense unless it says otherwise). See [models.md](models.md#mixture-of-experts).")
+    experts_per_token: int = doc_field(0, "Routed experts per token (top-k), 1..experts; 0 = the named size's (2 unless it says otherwise).")
+    shared_experts: int = doc_field(0, "Experts every token also goes through (DeepSeekMoE); 0 = the named size's (none unless it says otherwise).")
+    moe_every: int = doc_field(0, "An MoE feed-forward in every N-th block, blocks N-1, 2N-1, ... (1 = every block); 0 = the named size's (1 unless it says otherwise).")
+    moe_hidden: int = doc_field(0, "Width of one expert; 0 = the named size's, else auto: ffn_hidden / (experts_per_token + shared_experts) rounded up to a multiple of 8.")
+    moe_balance: str = doc_field("", "Expert load balancing: 'bias' (DeepSeek-V3's aux-loss-free bias, summed loads of every rank, sigmoid scores), 'aux_loss' (sequence-wise balance loss, softmax scores) or 'none'; '' = the named size's ('bias' unless it says otherwise).")
+    moe_aux_coef: float = doc_field(0.0, "Weight of the balance loss under moe_balance='aux_loss' (added per micro-batch); 0 = the named size's (0.01 unless it says otherwise).")
+    moe_bias_rate: float = doc_field(0.0, "Bias step per optimizer step under moe_balance='bias' (DeepSeek-V3's gamma); 0 = the named size's (0.001 unless it says otherwise).")
     init_from: str = doc_field("", "Weights file to start from; '' = random initialisation seeded by train.seed.")
     hf: str = doc_field("", "'' = not used; a local Hugging Face model directory (config.json + *.safetensors) of any decoder-only causal LM transformers ships: its architecture and weights, model.name ignored.")
 
@@ -66,6 +76,12 @@ class ModelSection(Section):
         self.require("max_seq_len", self.max_seq_len <= MAX_SEQ_LEN, f"<= {MAX_SEQ_LEN} (2**24 tokens)")
         self.require("rope_theta", self.rope_theta >= 0, ">= 0 (0 = the named size's)")
         self.require("norm_eps", self.norm_eps >= 0, ">= 0 (0 = the named size's)")
+        for name in MOE_COUNT_KEYS:
+            self.at_least(name, 0, " (0 = the named size's)")
+        self.require("moe_balance", self.moe_balance in ("", "bias", "aux_loss", "none"),
+                     "'bias', 'aux_loss', 'none' or '' (the named size's)")
+        for name in ("moe_aux_coef", "moe_bias_rate"):
+            self.require(name, getattr(self, name) >= 0, ">= 0 (0 = the named size's)")
         if self.dim and self.n_heads and self.dim % self.n_heads:
             raise ConfigError(f"model.dim ({self.dim}) must be a multiple of model.n_heads ({self.n_heads})")
         if self.n_heads and self.n_kv_heads and self.n_heads % self.n_kv_heads:

@@ -46,6 +46,24 @@ class ModelArgs:
     """RoPE base frequency (Llama 2: 1e4, Llama 3: 5e5)."""
     norm_eps: float = 1e-5
     """RMSNorm epsilon."""
+    experts: int = 0
+    """Routed experts of a mixture-of-experts feed-forward (meshrun.models.moe); 0 = dense."""
+    experts_per_token: int = 2
+    """Routed experts each token goes to (top-k), 1..experts."""
+    shared_experts: int = 0
+    """Experts every token goes through besides its routed ones (DeepSeekMoE), 0 or more."""
+    moe_every: int = 1
+    """An MoE feed-forward in every moe_every-th block: block i when (i + 1) % moe_every == 0."""
+    moe_hidden: int = 0
+    """Width of one expert. 0 = auto: ffn_hidden / (experts_per_token + shared_experts), rounded up
+    to a multiple of 8, so a token's active expert width is about the dense block's."""
+    moe_balance: str = "bias"
+    """Load balancing: 'bias' (DeepSeek-V3's aux-loss-free bias, sigmoid scores), 'aux_loss'
+    (a sequence-wise balance loss, softmax scores) or 'none' (softmax scores)."""
+    moe_aux_coef: float = 0.01
+    """Weight of the balance loss under moe_balance='aux_loss'."""
+    moe_bias_rate: float = 1e-3
+    """Step of the bias update under moe_balance='bias' (DeepSeek-V3's gamma)."""
 
     def __post_init__(self) -> None:
         # 0 means "derive it": resolve now so that a printed/saved config shows the real width.
@@ -81,24 +99,72 @@ class ModelArgs:
             raise ModelError(
                 f"model.tie_embeddings must be true or false, got {self.tie_embeddings!r}"
             )
+        self._check_moe()
+
+    def _check_moe(self) -> None:
+        """The mixture-of-experts keys; with experts = 0 the others are not read."""
+        for key in ("experts", "shared_experts", "moe_hidden"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ModelError(f"model.{key} must be an integer >= 0, got {value!r}")
+        if not self.experts:
+            return
+        k = self.experts_per_token
+        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= self.experts:
+            raise ModelError(f"model.experts_per_token must be an integer from 1 to "
+                             f"model.experts={self.experts}, got {k!r}")
+        every = self.moe_every
+        if isinstance(every, bool) or not isinstance(every, int) or not 1 <= every <= self.n_layers:
+            raise ModelError(f"model.moe_every must be an integer from 1 to model.n_layers={self.n_layers} "
+                             f"(block i is MoE when (i + 1) % moe_every == 0), got {every!r}")
+        if self.moe_balance not in MOE_BALANCE:
+            raise ModelError(f"model.moe_balance must be one of {', '.join(map(repr, MOE_BALANCE))}, "
+                             f"got {self.moe_balance!r}")
+        for key in ("moe_aux_coef", "moe_bias_rate"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+                raise ModelError(f"model.{key} must be a number >= 0, got {value!r}")
+        if self.moe_hidden == 0:
+            active = self.experts_per_token + self.shared_experts
+            self.moe_hidden = 8 * math.ceil(self.ffn_hidden / active / 8)
+
+    def is_moe_layer(self, layer_id: int) -> bool:
+        """Whether block `layer_id` has the mixture-of-experts feed-forward."""
+        return self.experts > 0 and (layer_id + 1) % self.moe_every == 0
+
+    @property
+    def num_moe_layers(self) -> int:
+        return sum(self.is_moe_layer(i) for i in range(self.n_layers))
 
     @property
     def head_dim(self) -> int:
         return self.dim // self.n_heads
 
-    def num_params(self, exclude_embeddings: bool = False) -> int:
-        """Parameter count computed from the shapes (no weights needed); equals ``num_params(model)``."""
+    def num_params(self, exclude_embeddings: bool = False, active: bool = False) -> int:
+        """Parameter count computed from the shapes (no weights needed); equals ``num_params(model)``.
+
+        ``active``: count only what one token uses, its top-k routed experts of each MoE layer
+        (plus the shared experts and the router), as MFU counts a mixture of experts."""
         hd = self.head_dim
         attn = self.dim * hd * (2 * self.n_heads + 2 * self.n_kv_heads)
-        ffn = 3 * self.dim * self.ffn_hidden
-        per_layer = attn + ffn + 2 * self.dim  # + attention_norm, ffn_norm
-        n = self.n_layers * per_layer + self.dim  # + final norm
+        per_layer = attn + 2 * self.dim  # + attention_norm, ffn_norm
+        dense_ffn = 3 * self.dim * self.ffn_hidden
+        moe_layers = self.num_moe_layers
+        n = self.n_layers * per_layer + (self.n_layers - moe_layers) * dense_ffn + self.dim  # + final norm
+        if moe_layers:
+            routed = self.experts_per_token if active else self.experts
+            expert = 3 * self.dim * self.moe_hidden
+            router = self.dim * self.experts
+            n += moe_layers * ((routed + self.shared_experts) * expert + router)
         embedding = self.vocab_size * self.dim
         if not self.tie_embeddings:
             n += embedding  # the separate output projection
         if not exclude_embeddings:
             n += embedding  # the token embedding (the shared matrix, when tied)
         return n
+
+
+MOE_BALANCE = ("bias", "aux_loss", "none")  # model.moe_balance
 
 
 def _check_positive_int(key: str, value: object) -> None:
@@ -113,9 +179,10 @@ def flops_per_token(args: ModelArgs, seq_len: int) -> int:
     torchtitan: N counts the matmul parameters (the embedding lookup is free, but the output
     projection is a matmul, so it is counted even when tied); 12 L H Q T is attention's
     QK^T and AV with L layers, H heads, head size Q and sequence length T (the causal mask is
-    not discounted, as in PaLM).
+    not discounted, as in PaLM). A mixture of experts counts its active parameters only: each
+    token's top-k routed experts, the shared experts and the router (as torchtitan's MoE MFU).
     """
-    n = args.num_params(exclude_embeddings=True)
+    n = args.num_params(exclude_embeddings=True, active=True)
     if args.tie_embeddings:
         n += args.vocab_size * args.dim
     return 6 * n + 12 * args.n_layers * args.n_heads * args.head_dim * seq_len

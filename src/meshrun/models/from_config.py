@@ -22,6 +22,14 @@ ARG_FIELDS = (
     "tie_embeddings",
     "rope_theta",
     "norm_eps",
+    "experts",
+    "experts_per_token",
+    "shared_experts",
+    "moe_every",
+    "moe_hidden",
+    "moe_balance",
+    "moe_aux_coef",
+    "moe_bias_rate",
 )
 
 

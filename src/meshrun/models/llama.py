@@ -2,9 +2,9 @@
 
 Shapes follow Meta's Llama reference and torchtitan's ``llama3`` model so that parallel plans can
 address blocks by name: ``tok_embeddings``, ``layers.<i>.attention.{wq,wk,wv,wo}``,
-``layers.<i>.feed_forward.{w1,w2,w3}``, ``layers.<i>.{attention_norm,ffn_norm}``, ``norm``,
-``output``. ``layers`` is an ``nn.ModuleDict`` keyed ``"0".."N-1"``, so a pipeline stage can delete
-blocks (and set ``tok_embeddings``/``norm``/``output`` to None) and keep the original names.
+``layers.<i>.feed_forward.{w1,w2,w3}`` (or, in a mixture-of-experts block, the ``MoE`` of
+meshrun.models.moe), ``layers.<i>.{attention_norm,ffn_norm}``, ``norm``, ``output``. ``layers``
+is an ``nn.ModuleDict`` keyed ``"0".."N-1"``, so a pipeline stage can delete blocks (and set ``tok_embeddings``/``norm``/``output`` to None) and keep the original names.
 
 Papers: Llama (arXiv:2302.13971), RoPE (arXiv:2104.09864), SwiGLU (arXiv:2002.05202),
 GQA (arXiv:2305.13245), RMSNorm (arXiv:1910.07467).
@@ -28,6 +28,8 @@ from meshrun.models.args import (  # noqa: F401 - re-exported: the model's shape
     auto_ffn_hidden,
     flops_per_token,
 )
+from meshrun.models.feed_forward import FeedForward
+from meshrun.models.moe import MoE
 
 
 def rope_tables(
@@ -85,19 +87,6 @@ class Attention(nn.Module):
         return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
 
 
-class FeedForward(nn.Module):
-    """SwiGLU MLP: w2(silu(w1 x) * w3 x) (arXiv:2002.05202)."""
-
-    def __init__(self, dim: int, hidden: int):
-        super().__init__()
-        self.w1 = nn.Linear(dim, hidden, bias=False)
-        self.w2 = nn.Linear(hidden, dim, bias=False)
-        self.w3 = nn.Linear(dim, hidden, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
-
-
 class TransformerBlock(nn.Module):
     """Pre-norm block: h = x + attention(norm(x)); out = h + feed_forward(norm(h))."""
 
@@ -107,7 +96,9 @@ class TransformerBlock(nn.Module):
         self.attention_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
         self.attention = Attention(args)
         self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
-        self.feed_forward = FeedForward(args.dim, args.ffn_hidden)
+        self.feed_forward: FeedForward | MoE = (
+            MoE(args, layer_id) if args.is_moe_layer(layer_id) else FeedForward(args.dim, args.ffn_hidden)
+        )
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         h = x + self.attention(self.attention_norm(x), cos, sin)
@@ -222,13 +213,21 @@ class Transformer(nn.Module):
                     seed,
                     depth_std if name == "wo" else std,
                 )
-            for name in ("w1", "w2", "w3"):
-                _init(
-                    f"{prefix}feed_forward.{name}.weight",
-                    getattr(block.feed_forward, name).weight,
-                    seed,
-                    std if name == "w1" else depth_std,
-                )
+            if isinstance(block.feed_forward, MoE):
+                # router gate and w1 at std, w2 and w3 (experts' and shared) at the depth std
+                for name, param in block.feed_forward.named_parameters():
+                    last = name.split(".")[-1] if not name.endswith(".weight") else name.split(".")[-2]
+                    _init(f"{prefix}feed_forward.{name}", param, seed,
+                          depth_std if last in ("w2", "w3") else std)
+                block.feed_forward.reset_buffers()
+            else:
+                for name in ("w1", "w2", "w3"):
+                    _init(
+                        f"{prefix}feed_forward.{name}.weight",
+                        getattr(block.feed_forward, name).weight,
+                        seed,
+                        std if name == "w1" else depth_std,
+                    )
             block.attention_norm.reset_parameters()
             block.ffn_norm.reset_parameters()
         if self.norm is not None:

@@ -30,6 +30,26 @@ SIZES: dict[str, dict[str, Any]] = {
         rope_theta=10000.0,
         norm_eps=1e-5,
     ),
+    # tiny's shapes with a mixture of experts in every block: 4 routed experts (top 2) and one
+    # shared, each 128 wide (384 / 3, so a token's active width is tiny's); ~1.25M params, ~0.86M active.
+    "tiny-moe": dict(
+        vocab_size=BYTE_VOCAB,
+        dim=128,
+        n_layers=4,
+        n_heads=4,
+        n_kv_heads=2,
+        ffn_hidden=0,
+        max_seq_len=256,
+        tie_embeddings=False,
+        rope_theta=10000.0,
+        norm_eps=1e-5,
+        experts=4,
+        experts_per_token=2,
+        shared_experts=1,
+        moe_every=1,
+        moe_hidden=0,
+        moe_balance="bias",
+    ),
     # ~12.8M params.
     "small": dict(
         vocab_size=BYTE_VOCAB,
@@ -99,5 +119,5 @@ def size_spec(name: str, *, key: str = "model.name") -> dict[str, Any]:
 
 
 def get_size(name: str, *, key: str = "model.name") -> ModelArgs:
-    """The ModelArgs of a named size: one of ``tiny``, ``small``, ``base``, ``1b``, ``8b``."""
+    """The ModelArgs of a named size: one of ``tiny``, ``tiny-moe``, ``small``, ``base``, ``1b``, ``8b``."""
     return ModelArgs(**size_spec(name, key=key))

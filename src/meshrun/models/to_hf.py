@@ -85,6 +85,9 @@ def builtin_plan(specs: dict[str, tuple], run_config: dict, tokenizer_ids: dict)
                           "decoder and [model] hf runs, not a custom model; use --format safetensors")
     vocab = specs.get("tok_embeddings.weight", specs.get("output.weight", ((0,), None)))[0][0]
     args = model_args_from_config(model_cfg, vocab or None)
+    if args.experts:
+        raise ConfigError(f"model.experts={args.experts}: export --format hf has no Hugging Face layout for the "
+                          "built-in mixture of experts yet; use --format safetensors")
     names = {name: to_hf_key(builtin_to_adapter(name)) for name in specs
              if not (args.tie_embeddings and name == "output.weight")}
     want = {to_hf_key(builtin_to_adapter(n)) for n in builtin_names(args)}

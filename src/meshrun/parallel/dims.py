@@ -79,11 +79,13 @@ class ParallelDims:
     # -- checks against the model (no process group needed) ------------------------------------
 
     def check_model(self, *, n_heads: int | None = None, n_kv_heads: int | None = None,
-                    n_layers: int | None = None, tie_embeddings: bool | None = None) -> None:
+                    n_layers: int | None = None, tie_embeddings: bool | None = None,
+                    experts: int | None = None) -> None:
         """Raise ConfigError if tp does not divide the heads or pp exceeds the blocks
         (`rules.check_model_shape`); None skips a check (a user model that does not say)."""
         rules.check_model_shape(tp=self.tp, pp=self.pp, world_size=self.world_size, n_heads=n_heads,
-                                n_kv_heads=n_kv_heads, n_layers=n_layers, tie_embeddings=tie_embeddings)
+                                n_kv_heads=n_kv_heads, n_layers=n_layers, tie_embeddings=tie_embeddings,
+                                experts=experts)
 
     def check_model_args(self, args) -> None:
         """`check_model` from an object with n_heads / n_kv_heads / n_layers / tie_embeddings

@@ -109,6 +109,7 @@ class ModelShape:
     n_kv_heads: int | None = None
     n_layers: int | None = None
     tie_embeddings: bool | None = None
+    experts: int | None = None
 
     @classmethod
     def from_args(cls, args: Any) -> ModelShape:
@@ -209,7 +210,7 @@ def resolve_layout(options: ParallelOptions, world_size: int, model: ModelShape 
     shape = model or ModelShape()
     rules.check_model_shape(tp=dims.tp, pp=dims.pp, world_size=world_size, n_heads=shape.n_heads,
                             n_kv_heads=shape.n_kv_heads or shape.n_heads, n_layers=shape.n_layers,
-                            tie_embeddings=shape.tie_embeddings)
+                            tie_embeddings=shape.tie_embeddings, experts=shape.experts)
     pipeline = None
     if dims.pp > 1:
         pipeline = rules_pp.resolve_pipeline(

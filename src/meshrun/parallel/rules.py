@@ -19,7 +19,7 @@ from meshrun.errors import ConfigError
 STRATEGIES = ("ddp", "fsdp")
 DEGREES = ("dp_replicate", "dp_shard", "cp", "tp", "pp")
 DTYPE_NAMES = ("fp32", "bf16", "fp16")  # `meshrun.parallel.resolve.torch_dtype` maps them to torch
-MODEL_KEYS = ("n_heads", "n_kv_heads", "n_layers", "tie_embeddings")  # what the rules read of a model
+MODEL_KEYS = ("n_heads", "n_kv_heads", "n_layers", "tie_embeddings", "experts")  # what the rules read of a model
 
 
 def divisors(n: int) -> list[int]:
@@ -236,10 +236,11 @@ def shards_parameters(strategy: str, degrees: dict[str, int]) -> bool:
 
 
 def model_shape_of(args: Any) -> dict[str, Any]:
-    """n_heads, n_kv_heads (n_heads when unset), n_layers, tie_embeddings of an args object;
-    None for what it does not say (a user model)."""
-    n_heads, n_kv_heads, n_layers, tied = (getattr(args, key, None) for key in MODEL_KEYS)
-    return dict(n_heads=n_heads, n_kv_heads=n_kv_heads or n_heads, n_layers=n_layers, tie_embeddings=tied)
+    """n_heads, n_kv_heads (n_heads when unset), n_layers, tie_embeddings, experts of an args
+    object; None for what it does not say (a user model)."""
+    n_heads, n_kv_heads, n_layers, tied, experts = (getattr(args, key, None) for key in MODEL_KEYS)
+    return dict(n_heads=n_heads, n_kv_heads=n_kv_heads or n_heads, n_layers=n_layers, tie_embeddings=tied,
+                experts=experts or None)
 
 
 def check_stages(pp: int, n_layers: int | None, world_size: int, stages_per_rank: int = 1) -> None:
@@ -276,11 +277,20 @@ def _heads_problem(tp: int, world_size: int, n_heads: int | None, n_kv_heads: in
     return None
 
 
+def _experts_problem(tp: int, experts: int | None) -> str | None:
+    """The tensor-parallel plan shards a dense feed-forward; it has none for an expert."""
+    if tp > 1 and experts:
+        return (f"parallel.tp={tp} with model.experts={experts}: tensor parallel of a mixture-of-experts "
+                "model is not supported yet; set parallel.tp=1 and shard with parallel.dp_shard (FSDP)")
+    return None
+
+
 def check_model_shape(*, tp: int, pp: int, world_size: int, n_heads: int | None = None,
                       n_kv_heads: int | None = None, n_layers: int | None = None,
-                      tie_embeddings: bool | None = None) -> None:
-    """tp divides the heads, pp stages have a block each, no tied embeddings under pp; None skips."""
-    problem = _heads_problem(tp, world_size, n_heads, n_kv_heads)
+                      tie_embeddings: bool | None = None, experts: int | None = None) -> None:
+    """tp divides the heads, pp stages have a block each, no tied embeddings under pp, no tp of
+    experts; None skips."""
+    problem = _heads_problem(tp, world_size, n_heads, n_kv_heads) or _experts_problem(tp, experts)
     if problem:
         raise ConfigError(problem)
     check_stages(pp, n_layers, world_size)
@@ -289,10 +299,10 @@ def check_model_shape(*, tp: int, pp: int, world_size: int, n_heads: int | None 
 
 
 def model_fits(*, tp: int, pp: int, n_heads: int, n_kv_heads: int, n_layers: int,
-               tie_embeddings: bool = False) -> bool:
+               tie_embeddings: bool = False, experts: int = 0) -> bool:
     """`check_model_shape` as a test (`meshrun plan` lists the layouts that pass)."""
     return (_heads_problem(tp, tp, n_heads, n_kv_heads) is None and pp <= n_layers
-            and not (pp > 1 and tie_embeddings))
+            and not (pp > 1 and tie_embeddings) and _experts_problem(tp, experts) is None)
 
 
 def check_compile(compile_on: bool, tp: int, sequence_parallel: bool, cp: int = 1) -> None:

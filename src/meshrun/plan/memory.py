@@ -111,7 +111,7 @@ def estimate(args: ModelArgs, dims: ParallelDims, *, batch_size: int, seq_len: i
 def layouts(args: ModelArgs, world_size: int, seq_len: int = 0) -> list[ParallelDims]:
     """Every (dp_replicate, dp_shard, tp, pp) with product world_size that the layout rules accept
     for `args` (`rules.model_fits`: tp divides n_heads and n_kv_heads, pp <= n_layers, no pp with
-    tied embeddings). With a `seq_len`, also the context-parallel ones: cp > 1 dividing the
+    tied embeddings, no tp of experts). With a `seq_len`, also the context-parallel ones: cp > 1 dividing the
     ranks left, seq_len divisible by 2 x cp (`rules.check_context_parallel`)."""
     check_world_size(world_size)
     found = divisors(world_size)
@@ -120,7 +120,8 @@ def layouts(args: ModelArgs, world_size: int, seq_len: int = 0) -> list[Parallel
         for tp in found:
             if (world_size // pp) % tp or not model_fits(tp=tp, pp=pp, n_heads=args.n_heads,
                                                          n_kv_heads=args.n_kv_heads, n_layers=args.n_layers,
-                                                         tie_embeddings=args.tie_embeddings):
+                                                         tie_embeddings=args.tie_embeddings,
+                                                         experts=args.experts):
                 continue
             rest = world_size // (pp * tp)
             for dp_shard in (d for d in found if rest % d == 0):

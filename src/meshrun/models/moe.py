@@ -1,0 +1,198 @@
+"""The mixture-of-experts feed-forward of the built-in decoder: a router, grouped experts, shared experts.
+
+Token-choice top-k routing (Switch, arXiv:2101.03961; GShard, arXiv:2006.16668) with DeepSeekMoE's
+shared experts (arXiv:2401.06066), balanced either by DeepSeek-V3's aux-loss-free expert bias or
+its sequence-wise balance loss (arXiv:2412.19437, section 2.1.2). Names follow torchtitan's MoE,
+so that expert parallel can later shard the experts on their first dim: ``router.gate``,
+``experts.{w1,w2,w3}`` of shape (experts, ...), ``shared_experts.{w1,w2,w3}``.
+
+Each forward in training adds its routing to this module's step totals (tokens per expert, the
+balance loss, the router entropy); meshrun.train.moe_stats sums them over the ranks after each
+optimizer step, updates the bias, and logs the figures. Nothing here communicates.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from meshrun.models.args import ModelArgs
+from meshrun.models.feed_forward import FeedForward
+
+# The experts' compute: torch._grouped_mm fails in fp32 backward on CPU (torch 2.13), so a loop
+# over the experts, one matmul each on its own tokens, on every device for now.
+EXPERT_COMPUTE = "a loop over the experts"
+STATS = 4  # per layer, after the expert loads: balance-loss sum, forwards, entropy sum, tokens
+
+
+class TokenChoiceRouter(nn.Module):
+    """Scores every expert for each token and picks its top k; ties go to the lower expert index.
+
+    Scores are softmax over the experts, or sigmoid per expert (DeepSeek-V3, with the bias).
+    The bias only moves the choice; the weights that mix the chosen experts' outputs are the
+    scores, renormalised over the k chosen when k > 1.
+    """
+
+    def __init__(self, dim: int, experts: int, top_k: int, sigmoid: bool):
+        super().__init__()
+        self.gate = nn.Linear(dim, experts, bias=False)
+        self.top_k, self.sigmoid = top_k, sigmoid
+
+    def forward(self, x: torch.Tensor, bias: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x: (N, dim) -> weights (N, k), expert indices (N, k), scores (N, experts), in fp32."""
+        logits = self.gate(x).float()
+        scores = torch.sigmoid(logits) if self.sigmoid else torch.softmax(logits, dim=-1)
+        choice = scores.detach() if bias is None else scores.detach() + bias
+        # A stable sort keeps equal scores in index order: deterministic ties, unlike topk.
+        indices = torch.sort(choice, dim=-1, descending=True, stable=True).indices[:, : self.top_k]
+        weights = scores.gather(-1, indices)
+        if self.top_k > 1:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights, indices, scores
+
+
+class GroupedExperts(nn.Module):
+    """``experts`` SwiGLU MLPs held as three (experts, ...) tensors: expert e is
+    w2[e] (silu(w1[e] x) * w3[e] x)."""
+
+    def __init__(self, dim: int, hidden: int, experts: int):
+        super().__init__()
+        self.w1 = nn.Parameter(torch.empty(experts, hidden, dim))
+        self.w2 = nn.Parameter(torch.empty(experts, dim, hidden))
+        self.w3 = nn.Parameter(torch.empty(experts, hidden, dim))
+
+    def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """x: (sum(counts), dim), the tokens sorted by expert, counts[e] of them for expert e."""
+        outs = []
+        for e, part in enumerate(torch.split(x, counts)):
+            hidden = F.silu(part @ self.w1[e].t()) * (part @ self.w3[e].t())
+            outs.append(hidden @ self.w2[e].t())
+        return torch.cat(outs)
+
+
+class _AddAuxiliaryLoss(torch.autograd.Function):
+    """Returns x unchanged; in backward, `loss` receives gradient 1, as if it had been added to
+    the training loss (DeepSeek-MoE's AddAuxiliaryLoss): no plumbing through the trainer."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
+        ctx.loss_dtype = loss.dtype
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, torch.ones((), dtype=ctx.loss_dtype, device=grad.device)
+
+
+def balance_loss(scores: torch.Tensor, indices: torch.Tensor, batch: int) -> torch.Tensor:
+    """DeepSeek-V3's sequence-wise balance loss, mean over the sequences: sum_i f_i P_i with f_i
+    = experts / (k T) x the tokens of the sequence routed to expert i, P_i = its mean (normalised)
+    score. 1 when perfectly balanced. Per sequence, so data parallel averages it exactly."""
+    n, experts = scores.shape
+    top_k = indices.shape[1]
+    probs = scores / scores.sum(dim=-1, keepdim=True)
+    chosen = torch.zeros(n, experts, device=scores.device).scatter_(1, indices, 1.0)
+    tokens = n // batch
+    f = chosen.view(batch, tokens, experts).sum(1) * (experts / (top_k * tokens))
+    p = probs.view(batch, tokens, experts).mean(1)
+    return (f * p).sum(-1).mean()
+
+
+class MoE(nn.Module):
+    """The feed-forward of an MoE block: out = sum of the top-k experts' outputs, weighted by the
+    router, plus the shared experts' output (a plain SwiGLU of width moe_hidden x shared)."""
+
+    def __init__(self, args: ModelArgs, layer_id: int):
+        super().__init__()
+        self.layer_id = layer_id
+        self.num_experts, self.top_k = args.experts, args.experts_per_token
+        self.balance, self.aux_coef, self.bias_rate = args.moe_balance, args.moe_aux_coef, args.moe_bias_rate
+        self.router = TokenChoiceRouter(args.dim, args.experts, args.experts_per_token,
+                                        sigmoid=args.moe_balance == "bias")
+        self.experts = GroupedExperts(args.dim, args.moe_hidden, args.experts)
+        self.shared_experts = (FeedForward(args.dim, args.moe_hidden * args.shared_experts)
+                               if args.shared_experts else None)
+        if self.balance == "bias":  # in checkpoints: a resumed run routes as the saved one did
+            self.register_buffer("expert_bias", torch.zeros(args.experts))
+        else:
+            self.expert_bias = None
+        # This step's totals (STATS after the loads): a plain attribute, not a buffer, so that DDP
+        # does not broadcast rank 0's over the others' at every forward.
+        self.step_stats: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, seq, dim = x.shape
+        flat = x.reshape(-1, dim)
+        weights, indices, scores = self.router(flat, self.expert_bias)
+        counts = torch.bincount(indices.flatten(), minlength=self.num_experts)
+        order = torch.argsort(indices.flatten(), stable=True)  # (token, slot) pairs by expert
+        token_of = order // self.top_k
+        routed = self.experts(flat[token_of], counts.tolist())
+        routed = routed * weights.flatten()[order].unsqueeze(-1).to(routed.dtype)
+        out = torch.zeros(flat.shape[0], dim, dtype=routed.dtype, device=routed.device)
+        out = out.index_add(0, token_of, routed)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(flat)
+        aux = None
+        if self.training and self.balance == "aux_loss":
+            aux = balance_loss(scores, indices, batch)
+            if self.aux_coef:
+                out = _AddAuxiliaryLoss.apply(out, aux * self.aux_coef)
+        # Activation checkpointing runs this forward again inside backward: count it once.
+        if self.training and torch._C._current_graph_task_id() == -1:
+            self._add_stats(counts, aux, scores)
+        return out.view(batch, seq, dim)
+
+    @torch.no_grad()
+    def _add_stats(self, counts: torch.Tensor, aux: torch.Tensor | None, scores: torch.Tensor) -> None:
+        probs = scores / scores.sum(dim=-1, keepdim=True)
+        entropy = -(probs * probs.clamp_min(1e-20).log()).sum()
+        extra = torch.stack([aux.detach().float() if aux is not None else torch.zeros((), device=scores.device),
+                             torch.ones((), device=scores.device) if aux is not None
+                             else torch.zeros((), device=scores.device),
+                             entropy, torch.tensor(float(scores.shape[0]), device=scores.device)])
+        row = torch.cat([counts.float(), extra])
+        self.step_stats = row if self.step_stats is None else self.step_stats + row
+
+    def take_stats(self) -> torch.Tensor | None:
+        """This step's totals since the last call (None: no training forward), and reset them."""
+        stats, self.step_stats = self.step_stats, None
+        return stats
+
+    @torch.no_grad()
+    def update_bias(self, load: torch.Tensor) -> None:
+        """DeepSeek-V3's aux-loss-free update after an optimizer step, from the load of every
+        rank: an expert above the mean load gets its bias lowered by bias_rate, one below raised."""
+        if self.expert_bias is not None:
+            load = load.to(self.expert_bias.device, torch.float32)
+            self.expert_bias += self.bias_rate * torch.sign(load.mean() - load)
+
+    @torch.no_grad()
+    def reset_buffers(self) -> None:
+        """A fresh bias (after a meta build's to_empty, or for a new run)."""
+        if self.expert_bias is not None:
+            self.expert_bias.zero_()
+
+
+def moe_metrics(table: torch.Tensor) -> dict[str, float]:
+    """The figures of one step from the (MoE layers, experts + STATS) totals of every rank.
+
+    ``moe_load_max_over_mean``: the worst layer's max over mean tokens per expert (1 = balanced,
+    experts / k = all on k experts); ``moe_tokens_dropped``: 0, as nothing caps an expert's
+    tokens; ``moe_router_entropy``: the mean entropy (nats) of a token's normalised scores;
+    ``moe_aux_loss`` (moe_balance='aux_loss'): the balance loss averaged over layers and forwards.
+    """
+    table = table.double()
+    experts = table.shape[1] - STATS
+    load = table[:, :experts]
+    aux_sum, forwards, entropy, tokens = (table[:, experts + i] for i in range(STATS))
+    figures = {
+        "moe_load_max_over_mean": float((load.max(1).values / load.mean(1).clamp_min(1e-12)).max()),
+        "moe_tokens_dropped": 0,
+        "moe_router_entropy": float((entropy / tokens.clamp_min(1)).mean()),
+    }
+    if bool((forwards > 0).all()):
+        figures["moe_aux_loss"] = float((aux_sum / forwards).mean())
+    return figures
