@@ -4,7 +4,8 @@ Shapes follow Meta's Llama reference and torchtitan's ``llama3`` model so that p
 address blocks by name: ``tok_embeddings``, ``layers.<i>.attention.{wq,wk,wv,wo}``,
 ``layers.<i>.feed_forward.{w1,w2,w3}`` (or, in a mixture-of-experts block, the ``MoE`` of
 meshrun.models.moe), ``layers.<i>.{attention_norm,ffn_norm}``, ``norm``, ``output``. ``layers``
-is an ``nn.ModuleDict`` keyed ``"0".."N-1"``, so a pipeline stage can delete blocks (and set ``tok_embeddings``/``norm``/``output`` to None) and keep the original names.
+is an ``nn.ModuleDict`` keyed ``"0".."N-1"``, so a pipeline stage can delete blocks (and set
+``tok_embeddings``/``norm``/``output`` to None) and keep the original names.
 
 Papers: Llama (arXiv:2302.13971), RoPE (arXiv:2104.09864), SwiGLU (arXiv:2002.05202),
 GQA (arXiv:2305.13245), RMSNorm (arXiv:1910.07467).

@@ -49,6 +49,7 @@ from meshrun.train.derived import (
     resolved_seq_len,
     save_final_weights,
 )
+from meshrun.train.moe_stats import MoEStats
 from meshrun.train.optimizers import build_optimizer
 from meshrun.train.precision import build_loss_scaler
 from meshrun.train.profile import StepProfiler, StepRange
@@ -121,6 +122,7 @@ class _Run:
     losses: list[tuple[int, float]] = field(default_factory=list)
     eval_losses: list[tuple[int, float]] = field(default_factory=list)
     steps: StepSource = field(default_factory=ExactSteps)  # which steps run, and what ends each
+    moe: MoEStats | None = None  # a mixture of experts: loads over the ranks, bias update (None: dense)
 
 
 def train(cfg: JobConfig, env: DistEnv, run_dir: Path, profile: StepRange | None = None,
@@ -148,6 +150,8 @@ def _loop(run: _Run, cfg: JobConfig, env: DistEnv, run_dir: Path, profiler: Step
     progress = ProgressBar(tcfg.steps, rank=env.rank, interval=tcfg.log_interval)
     progress.write(f"training {run.num_params / 1e6:.2f}M parameters on {env.world_size} x {env.device} "
                    f"({env.backend}), {tcfg.steps} steps of {tokens_per_step} tokens")
+    if run.moe is not None:
+        progress.write(run.moe.describe)
     timer = StepTimer(warmup_steps=2, sync=_sync_fn(env.device))
     clock = CompileClock(tcfg.compile, compiled=bool(layout.compiled))  # inductor compiles in the first calls
     if clock.active:
@@ -171,6 +175,7 @@ def _loop(run: _Run, cfg: JobConfig, env: DistEnv, run_dir: Path, profiler: Step
             loss, grad_norm, compute_s = layout_step(
                 layout, state.optimizers, batches, grad_accum=tcfg.grad_accum, dtype=tcfg.dtype,
                 grad_clip=tcfg.grad_clip, need_grad_norm=log_now, scaler=state.scaler)
+        moe_figures = run.moe.after_step(log_now, layout.device) if run.moe is not None else None
         compiled_steps += 1
         compiled_kinds.add(log_now)
         lr = state.schedulers[0].get_last_lr()[0]
@@ -186,7 +191,7 @@ def _loop(run: _Run, cfg: JobConfig, env: DistEnv, run_dir: Path, profiler: Step
                               data_time_s=batches.waited_s,
                               peak_mem_bytes=peak_memory_bytes(env.device) if step % cfg.metrics.interval == 0 else None)
         _name_stragglers(stragglers, step, batches.waited_s, compute_s, metrics, progress)
-        _log_step(run, cfg, env, step, loss, grad_norm, lr, timing, metrics, progress)
+        _log_step(run, cfg, env, step, loss, grad_norm, lr, timing, metrics, progress, moe_figures)
         if tcfg.eval_interval and step % tcfg.eval_interval == 0 and step != tcfg.steps:
             _evaluate(run, cfg, step, metrics, progress)
         run.steps.step_done(run.checkpointer, state)  # checkpoint every interval steps (torchft: if committed)
@@ -230,6 +235,7 @@ def _setup(cfg: JobConfig, env: DistEnv, run_dir: Path) -> _Run:
     vocab = getattr(getattr(model, "args", None), "vocab_size", None)
     num_params = sum(p.numel() for p in model.parameters())
     flops_tok = flops_per_token(model, seq_len)
+    model_args = getattr(model, "args", None)
     resolved = resolve_layout(ParallelOptions.from_config(cfg), env.world_size, ModelShape.from_model(model))
     layout = build_layout(model, resolved, device=env.device, seed=tcfg.seed, compile=tcfg.compile)
     del model  # the layout holds this rank's parts now
@@ -257,11 +263,12 @@ def _setup(cfg: JobConfig, env: DistEnv, run_dir: Path) -> _Run:
         checkpointer.close()
         raise
     memory.mark_startup()
-    return _Run(layout, state, checkpointer, val_loader, seq_len, num_params, flops_tok, memory)
+    return _Run(layout, state, checkpointer, val_loader, seq_len, num_params, flops_tok, memory,
+                moe=MoEStats.of(layout.parts, model_args))
 
 
 def _log_step(run: _Run, cfg: JobConfig, env: DistEnv, step: int, loss, grad_norm, lr, timing,
-              metrics: MetricsLogger, progress: ProgressBar) -> None:
+              metrics: MetricsLogger, progress: ProgressBar, moe_figures: dict | None = None) -> None:
     """The loss (a collective, so on the same steps on every rank), metrics.jsonl and the bar."""
     tcfg = cfg.train
     log_now = step % cfg.metrics.interval == 0 or step == tcfg.steps
@@ -278,7 +285,8 @@ def _log_step(run: _Run, cfg: JobConfig, env: DistEnv, step: int, loss, grad_nor
                           tokens_per_s=timing.tokens_per_s, step_time_s=timing.step_time_s,
                           peak_mem_bytes=peak_memory_bytes(env.device),
                           peak_mem_kind=peak_memory_kind(env.device), mfu=flops,
-                          skipped_steps=run.state.scaler.skipped_steps if run.state.scaler else None)
+                          skipped_steps=run.state.scaler.skipped_steps if run.state.scaler else None,
+                          **(moe_figures or {}))
     progress.update(step, loss=value, tokens_per_s=timing.tokens_per_s)
 
 
