@@ -1,0 +1,215 @@
+"""The built-in mixture of experts (meshrun.models.moe): routing, balancing, counts, refusals.
+
+The distributed parity of tiny-moe (FSDP, DDP, the bias's all-reduced load) is
+tests/distributed/test_moe_parity.py.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import meshrun_each
+from torch.utils.checkpoint import checkpoint
+
+from meshrun.config import as_dict, load_config
+from meshrun.errors import ConfigError, ModelError
+from meshrun.models.args import ModelArgs, flops_per_token
+from meshrun.models.llama import Transformer, num_params
+from meshrun.models.moe import STATS, MoE, moe_metrics
+from meshrun.models.sizes import get_size
+from meshrun.parallel.resolve import ModelShape, ParallelOptions, resolve_layout
+from meshrun.train.moe_stats import MoEStats
+
+SMALL = dict(vocab_size=64, dim=32, n_layers=2, n_heads=4, max_seq_len=16)
+
+
+def moe_args(**kw) -> ModelArgs:
+    return ModelArgs(**{**SMALL, "experts": 4, "experts_per_token": 2, "shared_experts": 1, **kw})
+
+
+def test_dense_is_unchanged_and_has_no_moe():
+    dense = Transformer(ModelArgs(**SMALL), seed=0)
+    assert not any(isinstance(m, MoE) for m in dense.modules())
+    assert MoEStats.of([dense], dense.args) is None  # no collective, no bookkeeping
+    assert all(".feed_forward.w" in n for n in dense.state_dict() if "feed_forward" in n)
+
+
+def test_moe_layers_sizes_and_names():
+    args = moe_args(n_layers=4, moe_every=2)
+    assert [args.is_moe_layer(i) for i in range(4)] == [False, True, False, True]
+    assert args.moe_hidden == 8 * math.ceil(args.ffn_hidden / 3 / 8)  # auto: width / (top-k + shared)
+    model = Transformer(args, seed=0)
+    names = {n: tuple(p.shape) for n, p in model.named_parameters() if n.startswith("layers.1.feed_forward")}
+    h = args.moe_hidden
+    assert names == {"layers.1.feed_forward.router.gate.weight": (4, 32),
+                     "layers.1.feed_forward.experts.w1": (4, h, 32),
+                     "layers.1.feed_forward.experts.w2": (4, 32, h),
+                     "layers.1.feed_forward.experts.w3": (4, h, 32),
+                     "layers.1.feed_forward.shared_experts.w1.weight": (h, 32),
+                     "layers.1.feed_forward.shared_experts.w2.weight": (32, h),
+                     "layers.1.feed_forward.shared_experts.w3.weight": (h, 32)}
+    assert "layers.1.feed_forward.expert_bias" in model.state_dict()  # checkpointed: resume routes alike
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(moe_every=2, n_layers=4, shared_experts=0, tie_embeddings=True)])
+def test_num_params_counts_every_expert_and_flops_only_active(kw):
+    args = moe_args(**kw)
+    model = Transformer(args, seed=0)
+    assert args.num_params() == num_params(model)
+    assert args.num_params(exclude_embeddings=True) == num_params(model, exclude_embeddings=True)
+    idle = args.num_moe_layers * (args.experts - args.experts_per_token) * 3 * args.dim * args.moe_hidden
+    assert args.num_params(active=True) == args.num_params() - idle
+    plain = ModelArgs(**{**SMALL, **{k: v for k, v in kw.items() if k == "tie_embeddings"}})
+    assert plain.num_params(active=True) == plain.num_params()  # dense: the same count
+    attention = 12 * args.n_layers * args.n_heads * args.head_dim * 16
+    tied = args.vocab_size * args.dim if args.tie_embeddings else 0
+    assert flops_per_token(args, 16) == 6 * (args.num_params(exclude_embeddings=True, active=True) + tied) + attention
+    tiny_moe = get_size("tiny-moe")
+    assert tiny_moe.num_params(active=True) == pytest.approx(get_size("tiny").num_params(), rel=0.01)
+
+
+def _reference(moe: MoE, x: torch.Tensor) -> torch.Tensor:
+    """Each token through its chosen experts one at a time (what the grouped loop must equal)."""
+    flat = x.reshape(-1, x.shape[-1])
+    weights, indices, _ = moe.router(flat, moe.expert_bias)
+    e = moe.experts
+    out = torch.zeros_like(flat)
+    for t in range(flat.shape[0]):
+        for slot in range(moe.top_k):
+            i = int(indices[t, slot])
+            h = F.silu(flat[t] @ e.w1[i].t()) * (flat[t] @ e.w3[i].t())
+            out[t] += weights[t, slot] * (h @ e.w2[i].t())
+    return (out + moe.shared_experts(flat)).view_as(x)
+
+
+@pytest.mark.parametrize("balance", ["bias", "aux_loss", "none"])
+def test_top_k_output_matches_a_per_token_reference(balance):
+    model = Transformer(moe_args(moe_balance=balance), seed=3)
+    moe = model.layers["0"].feed_forward
+    x = torch.randn(2, 5, 32, generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(moe(x), _reference(moe, x), atol=1e-6, rtol=1e-5)
+    weights, indices, _ = moe.router(x.reshape(-1, 32), moe.expert_bias)
+    assert indices.shape == (10, 2) and all(len(set(row.tolist())) == 2 for row in indices)
+    torch.testing.assert_close(weights.sum(-1), torch.ones(10))  # top-2 renormalised
+    again = Transformer(moe_args(moe_balance=balance), seed=3).layers["0"].feed_forward
+    assert torch.equal(again(x), moe(x))  # the same seed routes and computes the same
+
+
+def test_ties_go_to_the_lower_expert_index():
+    moe = Transformer(moe_args(experts=6, experts_per_token=3), seed=0).layers["0"].feed_forward
+    with torch.no_grad():
+        moe.router.gate.weight.zero_()  # every score equal
+    _, indices, _ = moe.router(torch.randn(7, 32))
+    assert indices.tolist() == [[0, 1, 2]] * 7
+
+
+def test_bias_moves_the_choice_not_the_weights_and_follows_the_load():
+    moe = Transformer(moe_args(moe_bias_rate=0.5), seed=0).layers["0"].feed_forward
+    with torch.no_grad():
+        moe.router.gate.weight.zero_()
+    moe.update_bias(torch.tensor([4.0, 2.0, 1.0, 1.0]))  # mean 2: over, equal, under, under
+    assert moe.expert_bias.tolist() == [-0.5, 0.0, 0.5, 0.5]
+    weights, indices, scores = moe.router(torch.randn(3, 32), moe.expert_bias)
+    assert indices.tolist() == [[2, 3]] * 3  # the under-loaded experts win the (tied) choice
+    torch.testing.assert_close(weights, torch.full((3, 2), 0.5))  # from the sigmoid scores, not the bias
+    moe.reset_buffers()
+    assert moe.expert_bias.tolist() == [0.0] * 4
+
+
+def test_aux_loss_gradient_reaches_the_router_alone():
+    for coef, reaches in ((0.01, True), (0.0, False)):
+        model = Transformer(moe_args(moe_balance="aux_loss", moe_aux_coef=coef), seed=0)
+        model(torch.randint(0, 64, (2, 8))).sum().mul(0).backward()  # only the balance loss pulls
+        gate = model.layers["0"].feed_forward.router.gate.weight.grad
+        assert (gate is not None and gate.abs().sum() > 0) == reaches
+        last = model.layers["1"].feed_forward.experts.w1.grad  # no later block's balance loss reads it
+        assert last is None or last.abs().sum() == 0
+
+
+def test_step_stats_count_each_token_once_even_when_recomputed():
+    model = Transformer(moe_args(moe_balance="aux_loss"), seed=0)
+    moe = model.layers["0"].feed_forward
+    x = torch.randn(2, 4, 32, requires_grad=True)
+    checkpoint(moe, x, use_reentrant=False).sum().backward()  # forward runs again in backward
+    stats = moe.take_stats()
+    assert stats.shape == (4 + STATS,) and stats[:4].sum() == 8 * 2  # 8 tokens x top-2
+    assert stats[5] == 1 and stats[7] == 8  # one forward, 8 tokens
+    assert moe.take_stats() is None  # taken: reset
+    model.eval()
+    moe(x)
+    assert moe.take_stats() is None  # eval forwards do not count
+
+
+def test_load_metrics_by_hand():
+    # two MoE layers of 4 experts; layer 0 loads 4,2,1,1 (max/mean 2), layer 1 evenly
+    table = torch.zeros(2, 4 + STATS)
+    table[0, :4] = torch.tensor([4.0, 2.0, 1.0, 1.0])
+    table[1, :4] = 2.0
+    table[:, 4] = torch.tensor([3.0, 1.0])  # balance-loss sums over 2 forwards each: means 1.5 and 0.5
+    table[:, 5] = 2.0
+    table[:, 6] = torch.tensor([4.0, 8.0])  # entropy over 4 tokens: 1.0 and 2.0 nats a token
+    table[:, 7] = 4.0
+    assert moe_metrics(table) == {"moe_load_max_over_mean": 2.0, "moe_tokens_dropped": 0,
+                                  "moe_router_entropy": 1.5, "moe_aux_loss": 1.0}
+    table[:, 5] = 0.0  # no balance loss (bias / none): not reported
+    assert "moe_aux_loss" not in moe_metrics(table)
+
+
+def test_after_step_moves_the_bias_from_the_step_load_and_resets():
+    model = Transformer(moe_args(n_layers=2, moe_bias_rate=0.1), seed=0)
+    stats = MoEStats.of([model], model.args)
+    model(torch.randint(0, 64, (2, 8)))
+    loads = [model.layers[k].feed_forward.step_stats[:4].clone() for k in ("0", "1")]
+    figures = stats.after_step(True, torch.device("cpu"))
+    for key, load in zip(("0", "1"), loads, strict=True):
+        expected = 0.1 * torch.sign(load.mean() - load)
+        assert torch.equal(model.layers[key].feed_forward.expert_bias, expected)
+    worst = max(float(load.max() / load.mean()) for load in loads)
+    assert figures["moe_load_max_over_mean"] == pytest.approx(worst)
+    assert model.layers["0"].feed_forward.step_stats is None
+
+
+def test_tensor_parallel_of_experts_is_refused_in_the_resolver():
+    options = ParallelOptions(strategy="fsdp", tp=2)
+    with pytest.raises(ConfigError, match=r"^parallel\.tp=2 with model\.experts=4: .*parallel\.dp_shard"):
+        resolve_layout(options, 2, ModelShape.from_args(moe_args()))
+    resolve_layout(ParallelOptions(strategy="fsdp", dp_shard=2), 2, ModelShape.from_args(moe_args()))
+
+
+@pytest.mark.parametrize(("kw", "message"), [
+    (dict(experts=-1), "model.experts must be an integer >= 0"),
+    (dict(experts_per_token=5), "model.experts_per_token must be an integer from 1 to model.experts=4"),
+    (dict(moe_every=3), "model.moe_every must be an integer from 1 to model.n_layers=2"),
+    (dict(moe_balance="loss"), "model.moe_balance must be one of 'bias', 'aux_loss', 'none'"),
+    (dict(moe_aux_coef=-1.0), "model.moe_aux_coef must be a number >= 0"),
+])
+def test_bad_moe_args(kw, message):
+    with pytest.raises(ModelError, match=message):
+        moe_args(**kw)
+
+
+def test_hf_export_of_a_moe_run_is_refused():
+    from meshrun.models.to_hf import builtin_plan
+
+    run_config = as_dict(load_config(None, ["model.name=tiny-moe"]))
+    with pytest.raises(ConfigError, match=r"^model\.experts=4: export --format hf .*--format safetensors"):
+        builtin_plan({"tok_embeddings.weight": ((259, 128), None)}, run_config, {})
+
+
+def test_bad_moe_keys_are_one_line_and_exit_2_through_the_cli():
+    base = ["train", "--set", "model.name=tiny-moe", "--set", "train.run_dir=unused"]
+    results = meshrun_each(
+        [*base, "--set", "model.experts_per_token=5"],
+        [*base, "--set", "model.moe_balance=loss"],
+        [*base, "--set", "parallel.strategy=fsdp", "--set", "parallel.tp=2", "--nproc-per-node", "2"],
+    )
+    expected = ["model.experts_per_token must be an integer from 1 to model.experts=4, got 5",
+                "model.moe_balance must be 'bias', 'aux_loss', 'none' or ''",
+                "parallel.tp=2 with model.experts=4: tensor parallel of a mixture-of-experts model"]
+    for result, text in zip(results, expected, strict=True):
+        assert result.returncode == 2, result.output
+        lines = result.stderr.strip().splitlines()
+        assert len(lines) == 1 and text in lines[0], result.stderr
