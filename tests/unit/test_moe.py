@@ -213,3 +213,14 @@ def test_bad_moe_keys_are_one_line_and_exit_2_through_the_cli():
         assert result.returncode == 2, result.output
         lines = result.stderr.strip().splitlines()
         assert len(lines) == 1 and text in lines[0], result.stderr
+
+
+def test_forward_under_fake_tensors_splits_evenly():
+    """`meshrun plan --simulate` steps the model under FakeTensorMode: no routing values to read."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    model = Transformer(moe_args(), seed=0)
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        out = model(mode.from_tensor(torch.zeros(2, 8, dtype=torch.long)))
+        out.sum().backward()
+    assert tuple(out.shape) == (2, 8, 64)

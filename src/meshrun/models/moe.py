@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
 
 from meshrun.models.args import ModelArgs
 from meshrun.models.feed_forward import FeedForward
@@ -126,10 +127,11 @@ class MoE(nn.Module):
         batch, seq, dim = x.shape
         flat = x.reshape(-1, dim)
         weights, indices, scores = self.router(flat, self.expert_bias)
-        counts = torch.bincount(indices.flatten(), minlength=self.num_experts)
+        counts = torch.zeros(self.num_experts, dtype=torch.long, device=flat.device)
+        counts.scatter_add_(0, indices.flatten(), torch.ones_like(indices.flatten()))
         order = torch.argsort(indices.flatten(), stable=True)  # (token, slot) pairs by expert
         token_of = order // self.top_k
-        routed = self.experts(flat[token_of], counts.tolist())
+        routed = self.experts(flat[token_of], _split_sizes(counts, indices.numel()))
         routed = routed * weights.flatten()[order].unsqueeze(-1).to(routed.dtype)
         out = torch.zeros(flat.shape[0], dim, dtype=routed.dtype, device=routed.device)
         out = out.index_add(0, token_of, routed)
@@ -174,6 +176,15 @@ class MoE(nn.Module):
         """A fresh bias (after a meta build's to_empty, or for a new run)."""
         if self.expert_bias is not None:
             self.expert_bias.zero_()
+
+
+def _split_sizes(counts: torch.Tensor, total: int) -> list[int]:
+    """Tokens per expert on the host; under fake tensors (`meshrun plan --simulate`) the values
+    are unknown, so an even split of the `total` routed slots: the memory of a balanced step."""
+    if not is_fake(counts):
+        return counts.tolist()
+    experts = counts.shape[0]
+    return [total // experts + (e < total % experts) for e in range(experts)]
 
 
 def moe_metrics(table: torch.Tensor) -> dict[str, float]:
