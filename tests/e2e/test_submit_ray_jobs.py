@@ -34,10 +34,11 @@ from meshrun.testing.processes import descendants, kill_tree
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("ray") is None,
                                 reason="needs the ray extra: pip install 'meshrun[ray]' (make setup installs it)")
 
-STEPS = 200
-KILL_AT = 45  # the step after which a worker of the second job is SIGKILLed (155 steps before the end: a late poll still kills mid-run)
+STEPS = 80
+KILL_AT = 25  # the step after which a worker of the second job is SIGKILLed (55 steps before the end: a late poll still kills mid-run)
+CKPT_EVERY = 10
 SETTINGS = ["--nodes", "2", "--nproc-per-node", "1", "--set", f"train.steps={STEPS}", "--set", "metrics.interval=1",
-            "--set", "checkpoint.interval=20"]
+            "--set", f"checkpoint.interval={CKPT_EVERY}"]
 JOB_DEADLINE_S = 150
 OBJECT_STORE = 80 << 20  # bytes per node: the job puts almost nothing in Ray's object store
 DRIVERS: list[subprocess.Popen] = []  # every `meshrun submit` started here; the cluster's finalizer stops any left
@@ -183,7 +184,7 @@ def test_killed_worker_resumes_exactly(cluster, runs, uninterrupted):
     assert starts == [(0, 0), (0, 1), (1, 0), (1, 1)], starts  # Ray's restart is attempt 1 to meshrun
     metas = [r for r in metrics_records(run_dir, "meta", partial=True) if "start_step" in r]
     resumed = metas[-1]["start_step"]
-    assert len(metas) == 2 and resumed % 20 == 0 and 0 < resumed <= killed_step, (metas, killed_step)
+    assert len(metas) == 2 and resumed % CKPT_EVERY == 0 and 0 < resumed <= killed_step, (metas, killed_step)
     after = next(r for r in metrics_records(run_dir, "train", partial=True) if r["step"] > resumed and r["time"] > killed_at)
     print(f"\nworker killed at step >= {killed_step}; resumed from the checkpoint of step {resumed}; first step after "
           f"the resume (step {after['step']}) {after['time'] - killed_at:.1f} s after the kill")
