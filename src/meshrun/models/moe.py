@@ -20,6 +20,7 @@ from torch._subclasses.fake_tensor import is_fake
 
 from meshrun.models.args import ModelArgs
 from meshrun.models.feed_forward import FeedForward
+from meshrun.parallel.pipeline import forward_is_step_work
 
 # The experts' compute: torch._grouped_mm fails in fp32 backward on CPU (torch 2.13), so a loop
 # over the experts, one matmul each on its own tokens, on every device for now.
@@ -142,8 +143,9 @@ class MoE(nn.Module):
             aux = balance_loss(scores, indices, batch)
             if self.aux_coef:
                 out = _AddAuxiliaryLoss.apply(out, aux * self.aux_coef)
-        # Activation checkpointing runs this forward again inside backward: count it once.
-        if self.training and torch._C._current_graph_task_id() == -1:
+        # Count each micro-batch once: activation checkpointing runs this forward again inside
+        # backward, and torch's pipeline runs it on its own to infer shapes.
+        if self.training and torch._C._current_graph_task_id() == -1 and forward_is_step_work():
             self._add_stats(counts, aux, scores)
         return out.view(batch, seq, dim)
 

@@ -21,6 +21,8 @@ test_parallel_matrix.py). "Single" schedules hold one stage per rank; the others
 from __future__ import annotations
 
 import copy
+import functools
+from contextvars import ContextVar
 from dataclasses import dataclass
 
 import torch
@@ -35,6 +37,33 @@ from meshrun.parallel.rules_pp import (
     resolve_pipeline,  # noqa: F401 (re-exported; meshrun.parallel.rules_pp owns the pipeline rules)
     split_layers,  # noqa: F401
 )
+
+# torch's schedule also runs each stage's forward outside any micro-batch, to infer the shapes it
+# sends (on the first step, and on the first after an eval). A model that keeps per-step
+# statistics (meshrun.models.moe) counts only the micro-batches' forwards: forward_is_step_work.
+_STEP_WORK: ContextVar[bool] = ContextVar("meshrun_step_work", default=True)
+
+
+def forward_is_step_work() -> bool:
+    """False while a pipeline schedule runs a forward that is not a micro-batch's; True outside
+    pipelines."""
+    return _STEP_WORK.get()
+
+
+@functools.cache
+def _micro_batch_stage_class():
+    """PipelineStage that marks its micro-batch forwards as step work (torch imported lazily)."""
+    from torch.distributed.pipelining import PipelineStage
+
+    class MicroBatchStage(PipelineStage):
+        def forward_one_chunk(self, *args, **kwargs):
+            token = _STEP_WORK.set(True)
+            try:
+                return super().forward_one_chunk(*args, **kwargs)
+            finally:
+                _STEP_WORK.reset(token)
+
+    return MicroBatchStage
 
 
 def stage_module(model: nn.Module, stage_id: int, num_stages: int, layers: list[str], *,
@@ -109,10 +138,14 @@ class Pipeline:
         kwargs: dict = {"target": targets, "losses": losses} if self.is_last else {}
         if positions is not None:
             kwargs["positions"] = positions.expand(inputs.shape[0], -1)
-        if train:
-            self.schedule.step(*args, **kwargs)
-        else:
-            self.schedule.eval(*args, **kwargs)
+        token = _STEP_WORK.set(False)  # only the micro-batches' forwards are (MicroBatchStage)
+        try:
+            if train:
+                self.schedule.step(*args, **kwargs)
+            else:
+                self.schedule.eval(*args, **kwargs)
+        finally:
+            _STEP_WORK.reset(token)
         if not losses:
             return torch.zeros((), device=inputs.device)
         return torch.stack([loss.detach().float() for loss in losses]).sum()  # each is 1/n of the mean
@@ -123,7 +156,6 @@ def build_pipeline(model: nn.Module, plan: ResolvedPipeline, pp_mesh, *, device:
     """Split `model` as `plan` says (it is cut down in place: this rank's last stage), parallelize
     each stage (`parallelize_part(module)` does tp -> AC -> fsdp -> materialise -> ddp), wrap them
     in PipelineStages over `pp_mesh` and build the schedule."""
-    from torch.distributed.pipelining import PipelineStage
     from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
 
     pp_rank, pp = pp_mesh.get_local_rank(), pp_mesh.size()
@@ -134,7 +166,8 @@ def build_pipeline(model: nn.Module, plan: ResolvedPipeline, pp_mesh, *, device:
     for stage_id, module in zip(stage_ids, modules, strict=True):
         part = parallelize_part(module)
         parts.append(part)
-        stages.append(PipelineStage(part, stage_id, plan.num_stages, device, group=pp_mesh.get_group()))
+        stages.append(_micro_batch_stage_class()(part, stage_id, plan.num_stages, device,
+                                                 group=pp_mesh.get_group()))
     cls = get_schedule_class(SCHEDULES[plan.schedule][0])
     loss_fn = lm_loss_fn(plan.microbatches * grad_accum)
     if issubclass(cls, PipelineScheduleSingle):
