@@ -172,6 +172,15 @@ def test_after_step_moves_the_bias_from_the_step_load_and_resets():
     assert model.layers["0"].feed_forward.step_stats is None
 
 
+def test_compile_of_experts_is_refused_and_auto_trains_eagerly():
+    from meshrun.parallel.compile import layout_allows
+
+    with pytest.raises(ConfigError, match=r"^train\.compile must be false with model\.experts=4 "):
+        layout_allows(True, 1, False, 1, experts=4)
+    assert layout_allows(None, 1, False, 1, experts=4) is False  # 'auto': eager, with a warning
+    assert layout_allows(True, 1, False, 1, experts=0) is True
+
+
 def test_tensor_parallel_of_experts_is_refused_in_the_resolver():
     options = ParallelOptions(strategy="fsdp", tp=2)
     with pytest.raises(ConfigError, match=r"^parallel\.tp=2 with model\.experts=4: .*parallel\.dp_shard"):

@@ -75,13 +75,13 @@ def check_compiler(setting: bool | None) -> bool:
     return False
 
 
-def layout_allows(setting: bool | None, tp: int, sequence_parallel: bool, cp: int = 1) -> bool:
+def layout_allows(setting: bool | None, tp: int, sequence_parallel: bool, cp: int = 1, experts: int = 0) -> bool:
     """Whether the layout lets compiling go ahead: rules.check_compile's error for true, a warning for "auto"."""
     from meshrun.errors import ConfigError
     from meshrun.parallel.rules import check_compile
 
     try:
-        check_compile(mode(setting) != "off", tp, sequence_parallel, cp)
+        check_compile(mode(setting) != "off", tp, sequence_parallel, cp, experts)
     except ConfigError as exc:
         if mode(setting) == "on":
             raise

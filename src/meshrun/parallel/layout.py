@@ -165,7 +165,8 @@ def build_layout(model: nn.Module, layout: ResolvedLayout, *, device: torch.devi
     options, world_size = layout.options, layout.world_size
     compiled: list[str] = []
     tp = layout.dims.tp if layout.use_mesh else 1
-    compile = compile if layout_allows(compile, tp, options.sequence_parallel, layout.dims.cp) else False
+    experts = getattr(getattr(model, "args", None), "experts", 0) or 0  # the built-in MoE (models/moe.py)
+    compile = compile if layout_allows(compile, tp, options.sequence_parallel, layout.dims.cp, experts) else False
 
     def init(module: nn.Module) -> None:
         compiled.extend(apply_compile(module, compile))

@@ -305,13 +305,17 @@ def model_fits(*, tp: int, pp: int, n_heads: int, n_kv_heads: int, n_layers: int
             and not (pp > 1 and tie_embeddings) and _experts_problem(tp, experts) is None)
 
 
-def check_compile(compile_on: bool, tp: int, sequence_parallel: bool, cp: int = 1) -> None:
+def check_compile(compile_on: bool, tp: int, sequence_parallel: bool, cp: int = 1, experts: int = 0) -> None:
     """torch 2.13: a compiled TP block fed plain tensors loses the DTensor gradient in backward;
-    context parallel's ring attention (collectives in an autograd.Function) is not compiled."""
+    context parallel's ring attention (collectives in an autograd.Function) is not compiled; a
+    mixture of experts reads its routing on the host (tokens per expert), which no fullgraph holds."""
     require("train.compile", not (compile_on and tp > 1 and not sequence_parallel),
             "false with parallel.tp > 1 unless parallel.sequence_parallel=true", compile_on)
     require("train.compile", not (compile_on and cp != 1),
             f"false with parallel.cp={cp} (the ring attention runs eagerly)", compile_on)
+    require("train.compile", not (compile_on and experts),
+            f"false with model.experts={experts} (the experts' routing is read on the host, which one "
+            "compiled graph cannot hold; 'auto' trains such a model eagerly)", compile_on)
 
 
 def check_replica_groups(mode: str, strategy: str, tp: int, pp: int, cp: int = 1) -> None:

@@ -91,7 +91,12 @@ def check_with_torch(cfg: JobConfig, *, nproc_per_node: str, nnodes: str = "1") 
         from meshrun.parallel.compile import check_compiler, layout_allows
 
         check_compiler(True)
-        layout_allows(True, cfg.parallel.tp, cfg.parallel.sequence_parallel, cfg.parallel.cp)
+        experts = 0
+        if not (cfg.model.factory or cfg.model.hf):
+            from meshrun.models.from_config import model_args_from_config
+
+            experts = model_args_from_config(cfg.model, tokenizer.vocab_size).experts
+        layout_allows(True, cfg.parallel.tp, cfg.parallel.sequence_parallel, cfg.parallel.cp, experts)
     _check_checkpoints(cfg, tokenizer.vocab_size)
 
 
