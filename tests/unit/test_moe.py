@@ -214,10 +214,12 @@ def test_bad_moe_keys_are_one_line_and_exit_2_through_the_cli():
         [*base, "--set", "model.experts_per_token=5"],
         [*base, "--set", "model.moe_balance=loss"],
         [*base, "--set", "parallel.strategy=fsdp", "--set", "parallel.tp=2", "--nproc-per-node", "2"],
+        [*base, "--set", "model.moe_balance=aux_loss", "--set", "train.dtype=fp16", "--nproc-per-node", "1"],
     )
     expected = ["model.experts_per_token must be an integer from 1 to model.experts=4, got 5",
                 "model.moe_balance must be 'bias', 'aux_loss', 'none' or ''",
-                "parallel.tp=2 with model.experts=4: tensor parallel of a mixture-of-experts model"]
+                "parallel.tp=2 with model.experts=4: tensor parallel of a mixture-of-experts model",
+                "model.moe_balance='aux_loss' with train.dtype='fp16': the balance loss's gradient bypasses"]
     for result, text in zip(results, expected, strict=True):
         assert result.returncode == 2, result.output
         lines = result.stderr.strip().splitlines()

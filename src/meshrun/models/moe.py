@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch._subclasses.fake_tensor import is_fake
 
+from meshrun.errors import ConfigError
 from meshrun.models.args import ModelArgs
 from meshrun.models.feed_forward import FeedForward
 from meshrun.parallel.pipeline import forward_is_step_work
@@ -178,6 +179,14 @@ class MoE(nn.Module):
         """A fresh bias (after a meta build's to_empty, or for a new run)."""
         if self.expert_bias is not None:
             self.expert_bias.zero_()
+
+
+def check_training(args: ModelArgs, *, dtype: str) -> None:
+    """What the mixture of experts refuses of a run's training settings (checked before launch)."""
+    if args.experts and args.moe_balance == "aux_loss" and args.moe_aux_coef and dtype == "fp16":
+        raise ConfigError("model.moe_balance='aux_loss' with train.dtype='fp16': the balance loss's gradient "
+                          "bypasses fp16's loss scale (it would act 1/loss_scale as strong); use train.dtype="
+                          "'bf16' or 'fp32', or model.moe_balance='bias'")
 
 
 def _split_sizes(counts: torch.Tensor, total: int) -> list[int]:

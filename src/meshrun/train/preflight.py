@@ -87,15 +87,18 @@ def check_with_torch(cfg: JobConfig, *, nproc_per_node: str, nnodes: str = "1") 
     if cfg.model.factory:
         check_factory_builds(cfg, tokenizer.vocab_size)
     _check_layout(cfg, tokenizer.vocab_size, nproc_per_node, nnodes)
+    experts = 0
+    if not (cfg.model.factory or cfg.model.hf):  # the built-in decoder: a mixture of experts' own refusals
+        from meshrun.models.from_config import model_args_from_config
+        from meshrun.models.moe import check_training
+
+        args = model_args_from_config(cfg.model, tokenizer.vocab_size)
+        check_training(args, dtype=cfg.train.dtype)
+        experts = args.experts
     if cfg.train.compile:  # true without a C++ compiler or in a layout it breaks: one line here ("auto" warns on the workers)
         from meshrun.parallel.compile import check_compiler, layout_allows
 
         check_compiler(True)
-        experts = 0
-        if not (cfg.model.factory or cfg.model.hf):
-            from meshrun.models.from_config import model_args_from_config
-
-            experts = model_args_from_config(cfg.model, tokenizer.vocab_size).experts
         layout_allows(True, cfg.parallel.tp, cfg.parallel.sequence_parallel, cfg.parallel.cp, experts)
     _check_checkpoints(cfg, tokenizer.vocab_size)
 
