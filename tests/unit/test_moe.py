@@ -200,6 +200,16 @@ def test_bad_moe_args(kw, message):
         moe_args(**kw)
 
 
+def test_training_settings_a_moe_refuses():
+    from meshrun.models.moe import check_training
+
+    check_training(moe_args(), dtype="fp16")  # bias: no balance loss to scale
+    with pytest.raises(ConfigError, match=r"^model\.moe_balance='bias' with fault\.mode='torchft': "):
+        check_training(moe_args(), dtype="fp32", fault_mode="torchft")
+    check_training(moe_args(moe_balance="aux_loss"), dtype="fp32", fault_mode="torchft")
+    check_training(ModelArgs(**SMALL), dtype="fp16", fault_mode="torchft")  # dense: nothing
+
+
 def test_hf_export_of_a_moe_run_is_refused():
     from meshrun.models.to_hf import builtin_plan
 

@@ -181,8 +181,12 @@ class MoE(nn.Module):
             self.expert_bias.zero_()
 
 
-def check_training(args: ModelArgs, *, dtype: str) -> None:
+def check_training(args: ModelArgs, *, dtype: str, fault_mode: str = "exact") -> None:
     """What the mixture of experts refuses of a run's training settings (checked before launch)."""
+    if args.experts and args.moe_balance == "bias" and fault_mode == "torchft":
+        raise ConfigError("model.moe_balance='bias' with fault.mode='torchft': the load is summed within one "
+                          "replica group, so each group would move its own bias apart from the others'; use "
+                          "model.moe_balance='aux_loss' or 'none', or fault.mode='exact'")
     if args.experts and args.moe_balance == "aux_loss" and args.moe_aux_coef and dtype == "fp16":
         raise ConfigError("model.moe_balance='aux_loss' with train.dtype='fp16': the balance loss's gradient "
                           "bypasses fp16's loss scale (it would act 1/loss_scale as strong); use train.dtype="

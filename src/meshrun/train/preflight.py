@@ -93,7 +93,7 @@ def check_with_torch(cfg: JobConfig, *, nproc_per_node: str, nnodes: str = "1") 
         from meshrun.models.moe import check_training
 
         args = model_args_from_config(cfg.model, tokenizer.vocab_size)
-        check_training(args, dtype=cfg.train.dtype)
+        check_training(args, dtype=cfg.train.dtype, fault_mode=cfg.fault.mode)
         experts = args.experts
     if cfg.train.compile:  # true without a C++ compiler or in a layout it breaks: one line here ("auto" warns on the workers)
         from meshrun.parallel.compile import check_compiler, layout_allows
