@@ -14,7 +14,8 @@ SwiGLU tensors) plus sb(6h + 2) for the two norms (input, 1/rms, normalised inpu
 after the weight), which TP leaves whole; sequence parallel splits the norms' first three
 and saves the all-gathered linear inputs whole: sb(2(2h + 1)/tp + 2h). Times the element
 size (4 fp32, 2 bf16). The last stage adds the final norm and the cross entropy's fp32
-log-softmax (sbV, split by tp only with loss parallel); both ends add the int64 ids.
+log-softmax (sbV, split by tp only with loss parallel); both ends add the int64 ids. A
+mixture-of-experts block adds its routing's copies and indices (`_moe_extra_bytes`).
 Context parallel divides the tokens by cp: a rank saves q, k, v, the output and the logsumexp
 of its own tokens only (the ring's keys and values from other ranks are not kept).
 Pipeline parallel counts the micro-batches a rank holds at once under its schedule (GPipe
@@ -47,9 +48,21 @@ def dtype_bytes(dtype: str) -> int:
     return DTYPE_BYTES[dtype]
 
 
+def _moe_extra_bytes(args: ModelArgs, tokens: int, elem: int) -> int:
+    """What a mixture-of-experts block (meshrun.models.moe; never under tp) saves beyond a dense
+    one: its SwiGLU tensors at the active width (top-k + shared) x moe_hidden instead of
+    ffn_hidden; each token's k gathered inputs, expert outputs and weighted outputs (3kh); the
+    fp32 router scores, chosen weights, their sum and weight column (E + 2k + 1); and three int64
+    index vectors of k per token (the choice, the sort by expert, the token of each slot)."""
+    k = args.experts_per_token
+    active = (k + args.shared_experts) * args.moe_hidden
+    return tokens * ((4 * (active - args.ffn_hidden) + 3 * k * args.dim) * elem
+                     + 4 * (args.experts + 2 * k + 1) + 8 * 3 * k)
+
+
 def _stage_bytes(args: ModelArgs, tp: int, tokens: int, elem: int, *, blocks: int, first: bool, last: bool,
                  sequence_parallel: bool, loss_parallel: bool,
-                 activation_checkpointing: bool) -> tuple[int, int]:
+                 activation_checkpointing: bool, moe_blocks: int = 0) -> tuple[int, int]:
     """Saved-for-backward bytes of one pipeline stage (or the whole model) for `tokens` tokens;
     and the part of them that outlives the weight-gradient pass of a zero-bubble schedule."""
     h, f = args.dim, args.ffn_hidden
@@ -66,12 +79,13 @@ def _stage_bytes(args: ModelArgs, tp: int, tokens: int, elem: int, *, blocks: in
     # What only the weight gradients read (the norms' two h-wide outputs, w2's input), freed by
     # a zero-bubble W; the rest stays until its graph goes at the end of the step.
     weight_only = tokens * ((-(-(2 * h) // tp) + 2 * h if sp else 4 * h) + -(-f // tp))
+    moe = _moe_extra_bytes(args, tokens, elem) if moe_blocks else 0
     if activation_checkpointing:  # block inputs, plus one block's activations while recomputed
-        acts = (blocks * tokens * h + per_layer) * elem if blocks else 0
+        acts = (blocks * tokens * h + per_layer) * elem + moe if blocks else 0
         kept = acts
     else:
-        acts = blocks * per_layer * elem
-        kept = blocks * (per_layer - weight_only) * elem
+        acts = blocks * per_layer * elem + moe_blocks * moe
+        kept = blocks * (per_layer - weight_only) * elem + moe_blocks * moe
     if first:
         acts += 8 * tokens  # the int64 token ids the embedding saves
         kept += 8 * tokens
@@ -148,13 +162,14 @@ def activation_bytes(args: ModelArgs, dims: ParallelDims, *, batch_size: int, se
     if batch_size % micro:  # the run itself refuses this (resolve_pipeline); count the whole batch
         micro = 1
     tokens = batch_size // micro * seq_len // dims.cp  # a cp rank holds seq_len / cp of each sequence
-    blocks = [0] * num_stages
+    blocks, moe_blocks = [0] * num_stages, [0] * num_stages
     for i in range(args.n_layers):
         blocks[stage_of_block(i, args.n_layers, num_stages)] += 1
+        moe_blocks[stage_of_block(i, args.n_layers, num_stages)] += args.is_moe_layer(i)
     stage_bytes = {s: _stage_bytes(args, dims.tp, tokens, elem, blocks=blocks[s], first=s == 0,
                                    last=s == num_stages - 1, sequence_parallel=sequence_parallel,
                                    loss_parallel=loss_parallel,
-                                   activation_checkpointing=activation_checkpointing)
+                                   activation_checkpointing=activation_checkpointing, moe_blocks=moe_blocks[s])
                    for s in range(num_stages)}
     totals = []
     for pp_rank in range(dims.pp):
