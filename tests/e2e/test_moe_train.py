@@ -1,6 +1,6 @@
 """`meshrun train examples/configs/tiny-moe.toml` end to end on 2 FSDP ranks: the run names its
-expert compute, metrics.jsonl's train records carry the moe_* figures, and the expert bias the
-trainer moved after each step is saved with the weights. Parity with one process is
+expert compute, metrics.jsonl's train records carry the moe_* figures, the report charts the
+expert load, and the expert bias the trainer moved after each step is saved with the weights. Parity with one process is
 tests/distributed/test_moe_parity.py."""
 
 from __future__ import annotations
@@ -29,5 +29,6 @@ def test_tiny_moe_example_trains_and_logs_the_expert_load(tmp_path):
         assert record["moe_tokens_dropped"] == 0
         assert 0 < record["moe_router_entropy"] <= math.log(4)
         assert "moe_aux_loss" not in record  # balanced by the bias
+    assert (tmp_path / "moe" / "expert_load.svg").is_file()  # the report charts the load balance
     state = torch.load(tmp_path / "moe" / "model.pt", weights_only=True)
     assert state["layers.0.feed_forward.expert_bias"].abs().sum() > 0  # moved, and saved

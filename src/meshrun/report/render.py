@@ -71,8 +71,9 @@ def _rank_chart(run: RunData, straggler: Straggler | None) -> Chart:
 
 
 def build_charts(run: RunData, straggler: Straggler | None) -> list[Chart]:
-    """The charts: loss, throughput, ranks, lr and grad_norm (.png or .svg); every step chart marks
-    the steps the run resumed from and the last step before each failure."""
+    """The charts: loss, throughput, ranks, lr and grad_norm (.png or .svg), and expert_load for a
+    mixture of experts; every step chart marks the steps the run resumed from and the last step
+    before each failure."""
     loss = [s for s in (_series(run.train, "loss", "train loss"),
                         _series(run.eval, "eval_loss", "eval loss", markers=True)) if s]
     mfus = [r["mfu"] for r in run.train if isinstance(r.get("mfu"), (int, float))]
@@ -88,6 +89,10 @@ def build_charts(run: RunData, straggler: Straggler | None) -> list[Chart]:
         Chart("grad_norm", "Gradient norm (before clipping)", "step", "norm", grad,
               None if grad else "no grad_norm values logged", y_from_zero=True),
     ]
+    load = _series(run.train, "moe_load_max_over_mean", "worst MoE layer")
+    if load is not None:  # a mixture of experts (meshrun.models.moe): 1 = every expert equally loaded
+        charts.append(Chart("expert_load", "Expert load (max / mean tokens per expert)", "step",
+                            "max / mean", [load], None, y_from_zero=True))
     for chart in charts:
         chart.marks = list(run.resumed_at) if chart.series else []
         chart.failures = [r.failed_after for r in run.recoveries] if chart.series else []
