@@ -154,10 +154,9 @@ class MoE(nn.Module):
     def _add_stats(self, counts: torch.Tensor, aux: torch.Tensor | None, scores: torch.Tensor) -> None:
         probs = scores / scores.sum(dim=-1, keepdim=True)
         entropy = -(probs * probs.clamp_min(1e-20).log()).sum()
-        extra = torch.stack([aux.detach().float() if aux is not None else torch.zeros((), device=scores.device),
-                             torch.ones((), device=scores.device) if aux is not None
-                             else torch.zeros((), device=scores.device),
-                             entropy, torch.tensor(float(scores.shape[0]), device=scores.device)])
+        zero = scores.new_zeros(())
+        aux_sum, forwards = (aux.detach().float(), zero + 1) if aux is not None else (zero, zero)
+        extra = torch.stack([aux_sum, forwards, entropy, zero + scores.shape[0]])  # STATS columns
         row = torch.cat([counts.float(), extra])
         self.step_stats = row if self.step_stats is None else self.step_stats + row
 
