@@ -1,5 +1,5 @@
 """`meshrun data prepare INPUT... --out DIR [--tokenizer byte|DIR|tokenizer.json] [--text-field F]
-[--split S] [--workers N] [--val-fraction F]`.
+[--split S] [--workers N] [--val-fraction F] [--format text|chat|prompt-completion] [--train-on W] [--max-len N]`.
 
 This module parses arguments and prints; the work is in `meshrun.data.prepare`.
 """
@@ -25,6 +25,15 @@ Inputs, by suffix (read as a stream, never whole):
   .jsonl .json .ndjson       one JSON object per line; --text-field names the text
   .parquet                   a Parquet file (pyarrow); --text-field names the text column
   DIR                        a `datasets` save_to_disk directory (Dataset, or DatasetDict: --split)
+
+--format chat / prompt-completion read records ({"messages": [{"role", "content"}, ...]} or
+{"prompt", "completion"}) and also write
+  DIR/loss_mask.bin  one byte per token: 1 = trained as a target (assistant turns / the completion),
+                     0 = left out of the loss (meshrun train gives those targets -100)
+  DIR/examples.bin   the token offset where each example starts (int64)
+Chats are rendered by the --tokenizer directory's own chat template (transformers, no remote code).
+Records longer than --max-len, empty, with an unknown role or no assistant turn are skipped and
+counted in the summary and meta.json, never truncated.
 """
 
 EPILOG = """\
@@ -33,6 +42,7 @@ examples:
   meshrun data prepare texts/*.txt --out data/t --tokenizer tok/tokenizer.json --val-fraction 0.02
   meshrun data prepare train.jsonl more.parquet --out data/hf --tokenizer tok/ --text-field content
   meshrun data prepare my_dataset/ --split validation --out data/val --tokenizer tok/ --workers 4
+  meshrun data prepare chats.jsonl --format chat --tokenizer tok/ --out data/chat --max-len 2048
   meshrun train --set data.path=data/book
 
 Progress (documents, tokens per second, ETA) goes to stderr: redrawn in a terminal, else one final line.
@@ -76,6 +86,17 @@ def build_parser(prog: str = "meshrun data") -> argparse.ArgumentParser:
                       help="hold out the last F of the tokens for eval, in [0, 1); recorded in meta.json "
                            "and used instead of data.val_fraction (default: not recorded, so "
                            "data.val_fraction decides)")
+    prep.add_argument("--format", dest="records", choices=("text", "chat", "prompt-completion"), default="text",
+                      help="text (default): the --text-field of each record (or a whole text file), every token "
+                           "trained; chat: 'messages' rendered by the tokenizer's chat template; "
+                           "prompt-completion: 'prompt' then 'completion' (chat and prompt-completion run in "
+                           "one process: --workers does not apply)")
+    prep.add_argument("--train-on", choices=("assistant", "prompt"), default="assistant",
+                      help="with --format chat / prompt-completion: assistant (default) trains only the assistant "
+                           "turns / the completion; prompt trains every token")
+    prep.add_argument("--max-len", type=positive_int, default=None, metavar="N",
+                      help="with --format chat / prompt-completion: skip (and count) records longer than N tokens "
+                           "(default: no limit)")
     prep.add_argument("--force", action="store_true",
                       help="replace a tokens.bin or meta.json in DIR that data prepare did not write")
     return parser
@@ -100,6 +121,8 @@ def _prepare(args: argparse.Namespace) -> int:
 
     _check_out(args)
     tokenizer = load_tokenizer(args.tokenizer)
+    if args.records != "text":
+        return _prepare_examples(args, tokenizer)
     workers = effective_workers(tokenizer, args.workers or available_cores())
     meta = prepare_tokens(args.inputs, args.out, tokenizer, val_fraction=args.val_fraction,
                           text_field=args.text_field, split=args.split, workers=workers,
@@ -113,11 +136,29 @@ def _prepare(args: argparse.Namespace) -> int:
     return 0
 
 
+def _prepare_examples(args: argparse.Namespace, tokenizer) -> int:
+    from meshrun.config import set_flag
+    from meshrun.data.prepare_chat import prepare_examples, summarize_skipped
+    from meshrun.data.tokens import TOKENS_FILE
+
+    meta = prepare_examples(args.inputs, args.out, tokenizer, records_kind=args.records, train_on=args.train_on,
+                            max_len=args.max_len, val_fraction=args.val_fraction, split=args.split)
+    trained = meta.loss_mask["num_trained"]
+    skipped = summarize_skipped(meta.skipped or {}, args.max_len)
+    print(f"wrote {meta.num_tokens:,} tokens ({trained:,} trained, {trained / meta.num_tokens:.0%}) in "
+          f"{meta.examples['count']:,} {args.records} examples from {len(meta.sources)} input(s) to "
+          f"{args.out}/{TOKENS_FILE}; vocab {meta.vocab_size} ({tokenizer.spec})")
+    print(f"skipped: {skipped}" if skipped else "skipped: none")
+    print(f"train on it with: meshrun train {set_flag('data.path', args.out)} "
+          f"{set_flag('data.tokenizer', tokenizer.spec)}")
+    return 0
+
+
 def _check_out(args: argparse.Namespace) -> None:
     """--out is never an input or inside one, never in a checkpoint; its files only replaced if ours."""
     from meshrun.checkpoint.outputs import check_output
     from meshrun.data.tokenizer import BYTE_SPEC
-    from meshrun.data.tokens import META_FILE, TOKENS_FILE, read_meta
+    from meshrun.data.tokens import EXAMPLES_FILE, LOSS_MASK_FILE, META_FILE, TOKENS_FILE, read_meta
 
     out = Path(args.out).expanduser()
 
@@ -129,5 +170,5 @@ def _check_out(args: argparse.Namespace) -> None:
         return True
 
     inputs = [*args.inputs, *([] if args.tokenizer.strip() in ("", BYTE_SPEC) else [args.tokenizer])]
-    check_output("--out", out, inputs=inputs, writes=[out / TOKENS_FILE, out / META_FILE], force=args.force,
+    check_output("--out", out, inputs=inputs, writes=[out / n for n in (TOKENS_FILE, META_FILE, LOSS_MASK_FILE, EXAMPLES_FILE)], force=args.force,
                  ours=prepared_here)

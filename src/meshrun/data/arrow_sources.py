@@ -36,6 +36,22 @@ def _check_schema(pa, schema, text_field: str, where: str) -> None:
                         f"choose a text field with --text-field (text fields: {', '.join(texts) or 'none'})")
 
 
+def check_record_fields(names: list[str], fields: tuple[str, ...], where: str) -> None:
+    for name in fields:
+        if name not in names:
+            shown = ", ".join(repr(n) for n in names[:20]) or "none"
+            raise DataError(f"{where} has no field {name!r} (its fields: {shown}); --format chat reads 'messages', "
+                            "--format prompt-completion 'prompt' and 'completion'")
+
+
+def _rows(record_batches, where: str) -> Iterator[tuple[str, dict]]:
+    n = 0
+    for batch in record_batches:
+        for row in batch.to_pylist():
+            yield f"{where} row {n}", row
+            n += 1
+
+
 class ParquetSource(Source):
     kind = "parquet"
 
@@ -50,6 +66,12 @@ class ParquetSource(Source):
     def check(self, text_field: str) -> None:
         pa, pf = self._open()
         _check_schema(pa, pf.schema_arrow, text_field, str(self.path))
+
+    def records(self, fields: tuple[str, ...]) -> Iterator[tuple[str, dict]]:
+        """("FILE row N", {field: value}) of each row, for `data prepare --format chat|prompt-completion`."""
+        _, pf = self._open()
+        check_record_fields(pf.schema_arrow.names, fields, str(self.path))
+        yield from _rows(pf.iter_batches(batch_size=_ARROW_ROWS, columns=list(fields)), str(self.path))
 
     def batches(self, source: int, text_field: str) -> Iterator[Batch]:
         _, pf = self._open()
@@ -127,6 +149,14 @@ class ArrowDirSource(Source):
         pa = self._pa()
         _, reader = self._open_stream(pa, self.files[0])
         _check_schema(pa, reader.schema, text_field, str(self.root))
+
+    def records(self, fields: tuple[str, ...]) -> Iterator[tuple[str, dict]]:
+        """("FILE row N", {field: value}) of each row of each Arrow file, in order."""
+        pa = self._pa()
+        for path in self.files:
+            _, reader = self._open_stream(pa, path)
+            check_record_fields(reader.schema.names, fields, f"{self.root} ({path.name})")
+            yield from _rows(reader, str(path))
 
     def batches(self, source: int, text_field: str) -> Iterator[Batch]:
         pa = self._pa()

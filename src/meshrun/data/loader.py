@@ -24,7 +24,13 @@ from meshrun.data.corpus import load_corpus_text
 from meshrun.data.sampler import ResumableDistributedSampler
 from meshrun.data.split import split_sizes
 from meshrun.data.tokenizer import Tokenizer, load_tokenizer, tokenizer_fingerprint
-from meshrun.data.tokens import encode_file, encode_text, open_token_dir
+from meshrun.data.tokens import (
+    IGNORE_INDEX,
+    encode_file,
+    encode_text,
+    open_loss_mask,
+    open_token_dir,
+)
 from meshrun.errors import DataError
 
 log = logging.getLogger(__name__)
@@ -35,10 +41,12 @@ class TokenWindowDataset(Dataset):
 
     stride defaults to seq_len: windows whose targets do not overlap, so an epoch sees each
     token once as a target. `tokens` may be a memory-mapped uint16/uint32 tensor: only the
-    windows that are read are loaded.
+    windows that are read are loaded. `loss_mask` (uint8, one per token, from a chat or
+    prompt-completion token directory): a target whose mask is 0 becomes IGNORE_INDEX.
     """
 
-    def __init__(self, tokens: torch.Tensor | Sequence[int], seq_len: int, stride: int | None = None):
+    def __init__(self, tokens: torch.Tensor | Sequence[int], seq_len: int, stride: int | None = None,
+                 loss_mask: torch.Tensor | None = None):
         if seq_len < 1:
             raise ValueError(f"seq_len must be >= 1, got {seq_len}")
         stride = seq_len if stride is None else stride
@@ -46,6 +54,14 @@ class TokenWindowDataset(Dataset):
             raise ValueError(f"stride must be >= 1, got {stride}")
         self.tokens = tokens if isinstance(tokens, torch.Tensor) else torch.as_tensor(tokens)
         self.seq_len, self.stride = seq_len, stride
+        if loss_mask is not None and len(loss_mask) != len(self.tokens):
+            raise ValueError(f"loss_mask has {len(loss_mask)} entries for {len(self.tokens)} tokens")
+        self.loss_mask = loss_mask
+
+    @property
+    def masked(self) -> bool:
+        """Some targets are left out of the loss: the step averages over trained tokens."""
+        return self.loss_mask is not None
 
     def __len__(self) -> int:
         n = len(self.tokens)
@@ -56,7 +72,10 @@ class TokenWindowDataset(Dataset):
             raise IndexError(f"window {index} out of range for {len(self)} windows")
         start = (index % len(self)) * self.stride
         chunk = self.tokens[start : start + self.seq_len + 1].to(torch.int64)
-        return chunk[:-1], chunk[1:]
+        if self.loss_mask is None:
+            return chunk[:-1], chunk[1:]
+        trained = self.loss_mask[start + 1 : start + self.seq_len + 1].bool()
+        return chunk[:-1], chunk[1:].masked_fill(~trained, IGNORE_INDEX)
 
 
 def effective_val_fraction(data_cfg: Any, prepared_val: float | None) -> float:
@@ -99,6 +118,11 @@ class InfiniteLoader:
         self._start: tuple[int, int] = (0, 0)
         self._delivered = 0  # samples handed to the caller in the current pass, on this rank
         self._epoch = 0  # used only without a ResumableDistributedSampler
+
+    @property
+    def masked(self) -> bool:
+        """The data has a loss mask (`TokenWindowDataset.masked`)."""
+        return bool(getattr(self.dataloader.dataset, "masked", False))
 
     @property
     def epoch(self) -> int:
@@ -186,11 +210,18 @@ def _check_tokenizer_matches(path: Path, meta_tok: dict, tokenizer: Tokenizer) -
 def load_data_tokens(path: str, tokenizer: Tokenizer, *,
                      vocab_size: int | None = None) -> tuple[torch.Tensor, float | None]:
     """The token array for data.path, and the val_fraction that `prepare` recorded (or None)."""
+    tokens, _, val_fraction = load_data(path, tokenizer, vocab_size=vocab_size)
+    return tokens, val_fraction
+
+
+def load_data(path: str, tokenizer: Tokenizer, *, vocab_size: int | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor | None, float | None]:
+    """(tokens, loss mask or None, recorded val_fraction or None) for data.path."""
     if not str(path).strip():  # the built-in corpus: encoded here, once per run (about 0.1 s in bytes)
         ids = encode_text(load_corpus_text(), tokenizer)
         if tokenizer.eos_id is not None:
             ids = torch.cat([ids, torch.tensor([tokenizer.eos_id])])
-        return ids, None
+        return ids, None, None
     p = Path(path).expanduser()
     if not p.exists():
         raise DataError(f"data.path={str(path)!r} does not exist; give a text file, a directory from "
@@ -198,7 +229,7 @@ def load_data_tokens(path: str, tokenizer: Tokenizer, *,
     if p.is_dir():
         tokens, meta = open_token_dir(p, vocab_size=vocab_size)
         _check_tokenizer_matches(p, meta.tokenizer, tokenizer)
-        return tokens, meta.val_fraction
+        return tokens, open_loss_mask(p, meta), meta.val_fraction
     if not p.is_file():  # a device, FIFO or socket: /dev/zero would be read forever
         raise DataError(f"data.path={str(path)!r} is not a regular file; give a text file, a directory from "
                         "`meshrun data prepare FILE --out DIR`, or \"\" for the built-in corpus")
@@ -207,7 +238,7 @@ def load_data_tokens(path: str, tokenizer: Tokenizer, *,
         ids = torch.cat([ids, torch.tensor([tokenizer.eos_id])])
     if len(ids) == 0:
         raise DataError(f"data.path={str(path)!r} holds no text")
-    return ids, None
+    return ids, None, None
 
 
 def build_loaders(data_cfg: Any, *, seq_len: int | None = None, batch_size: int, dp_rank: int,
@@ -223,7 +254,9 @@ def build_loaders(data_cfg: Any, *, seq_len: int | None = None, batch_size: int,
     tokenizer: an already loaded tokenizer; None loads data_cfg.tokenizer.
     vocab_size: the model's vocab size; data needing a larger one is a DataError.
 
-    train is an InfiniteLoader (batches (x, y) of shape [batch_size, seq_len], int64, forever).
+    train is an InfiniteLoader (batches (x, y) of shape [batch_size, seq_len], int64, forever);
+    with a chat / prompt-completion token directory, targets left out of the loss are -100
+    (IGNORE_INDEX) and `train.masked` is True.
     val is a finite DataLoader over this rank's equal share of the held-out windows (in order,
     the same every time), or None when data.val_fraction is 0.
     """
@@ -233,11 +266,13 @@ def build_loaders(data_cfg: Any, *, seq_len: int | None = None, batch_size: int,
     if vocab_size is not None and tokenizer.vocab_size > vocab_size:
         raise DataError(f"data.tokenizer {tokenizer.spec!r} has vocab_size {tokenizer.vocab_size}, "
                         f"larger than the model's vocab_size {vocab_size}; raise the model's vocab_size")
-    tokens, prepared_val = load_data_tokens(data_cfg.path, tokenizer, vocab_size=vocab_size)
+    tokens, mask, prepared_val = load_data(data_cfg.path, tokenizer, vocab_size=vocab_size)
     val_fraction = effective_val_fraction(data_cfg, prepared_val)
     train_tokens, val_tokens = split_tokens(tokens, val_fraction, seq_len=seq_len)
+    n_train = len(train_tokens)
+    train_mask, val_mask = (None, None) if mask is None else (mask[:n_train], mask[n_train:])
 
-    train_ds = TokenWindowDataset(train_tokens, seq_len)
+    train_ds = TokenWindowDataset(train_tokens, seq_len, loss_mask=train_mask)
     if len(train_ds) // dp_size < batch_size:
         raise DataError(f"the training data has {len(train_ds)} windows of seq_len {seq_len}: less than "
                         f"one batch per rank (batch_size {batch_size} x {dp_size} ranks); use more data "
@@ -249,7 +284,7 @@ def build_loaders(data_cfg: Any, *, seq_len: int | None = None, batch_size: int,
                                       num_workers=num_workers, persistent_workers=num_workers > 0))
     val = None
     if val_tokens is not None:
-        val_ds = TokenWindowDataset(val_tokens, seq_len)
+        val_ds = TokenWindowDataset(val_tokens, seq_len, loss_mask=val_mask)
         per_rank = len(val_ds) // dp_size
         if per_rank == 0:
             raise DataError(f"data.val_fraction={val_fraction} gives {len(val_ds)} validation windows "

@@ -11,10 +11,8 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import json
 import os
 import sys
-from dataclasses import asdict
 from pathlib import Path
 
 from meshrun.data.arrow_sources import ArrowDirSource, ParquetSource
@@ -22,7 +20,16 @@ from meshrun.data.encode import encode_batches
 from meshrun.data.prepare_progress import PrepareProgress
 from meshrun.data.sources import JSONL_SUFFIXES, JsonLinesSource, Source
 from meshrun.data.tokenizer import Tokenizer, tokenizer_fingerprint
-from meshrun.data.tokens import META_FILE, TOKENS_FILE, TokenMeta, dtype_for_vocab, sample_sha256
+from meshrun.data.tokens import (
+    EXAMPLES_FILE,
+    LOSS_MASK_FILE,
+    META_FILE,
+    TOKENS_FILE,
+    TokenMeta,
+    dtype_for_vocab,
+    meta_json,
+    sample_sha256,
+)
 from meshrun.errors import DataError
 
 DEFAULT_TEXT_FIELD = "text"
@@ -46,14 +53,14 @@ def open_source(path: str | Path, *, split: str | None = None) -> Source:
     return Source(p)
 
 
-def _check_out(out: Path) -> None:
+def check_out_dir(out: Path) -> None:
     if out.exists() and not out.is_dir():
         raise DataError(f"--out {out} exists and is not a directory")
     if sys.byteorder == "big":
         raise DataError("meshrun token files are little-endian, and this machine is big-endian")
 
 
-def _abandon(tmp: Path, created: Path | None) -> None:
+def abandon_tokens(tmp: Path, created: Path | None) -> None:
     """A failed prepare: its partial tokens go, and so does the --out directory it created (if empty)."""
     tmp.unlink(missing_ok=True)
     if created is not None:
@@ -80,7 +87,7 @@ def prepare_tokens(sources: list[str | Path], out_dir: str | Path, tokenizer: To
     if val_fraction is not None and not 0.0 <= val_fraction < 1.0:
         raise DataError(f"--val-fraction must be in [0, 1), got {val_fraction}")
     out = Path(out_dir).expanduser()
-    _check_out(out)
+    check_out_dir(out)
     created = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
     dtype = dtype_for_vocab(tokenizer.vocab_size)
@@ -103,18 +110,20 @@ def prepare_tokens(sources: list[str | Path], out_dir: str | Path, tokenizer: To
                 if progress is not None:
                     progress.update(sum(sizes[:done.source]) + done.done_bytes, num_docs, num_tokens)
     except BaseException:
-        _abandon(tmp, out if created else None)  # a directory prepared before stays as it was
+        abandon_tokens(tmp, out if created else None)  # a directory prepared before stays as it was
         if progress is not None:
             progress.close(summary=False)
         raise
     if progress is not None:
         progress.close()
     if num_tokens == 0:
-        _abandon(tmp, out if created else None)
+        abandon_tokens(tmp, out if created else None)
         records = "" if all(type(s) is Source for s in inputs) else f" (records' field {text_field!r})"
         raise DataError(f"the inputs {[str(s) for s in sources]} hold no text{records}")
     (out / META_FILE).unlink(missing_ok=True)  # no meta = not a usable directory, until the new one is written
     os.replace(tmp, out / TOKENS_FILE)
+    for stale in (LOSS_MASK_FILE, EXAMPLES_FILE):  # a chat prepare's, before: text data trains every token
+        (out / stale).unlink(missing_ok=True)
     described = []
     for src, (tokens, docs) in zip(inputs, counts, strict=True):
         info = {**src.describe(), "num_tokens": tokens, "num_documents": docs}
@@ -124,6 +133,6 @@ def prepare_tokens(sources: list[str | Path], out_dir: str | Path, tokenizer: To
                      sample_sha256=sample_sha256(out / TOKENS_FILE), sources=described,
                      val_fraction=val_fraction)
     tmp_meta = out / (META_FILE + ".tmp")
-    tmp_meta.write_text(json.dumps(asdict(meta), indent=2) + "\n")
+    tmp_meta.write_text(meta_json(meta))
     os.replace(tmp_meta, out / META_FILE)
     return meta

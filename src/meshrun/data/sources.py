@@ -125,6 +125,11 @@ class Source:
     def describe(self) -> dict:
         return {"path": str(self.path.resolve()), "bytes": self.size(), "format": self.kind}
 
+    def records(self, fields: tuple[str, ...]) -> Iterator[tuple[str, dict]]:
+        """(where, record) of each record, for `data prepare --format chat|prompt-completion`."""
+        raise DataError(f"--format chat and prompt-completion read records (.jsonl, .parquet or a save_to_disk "
+                        f"directory), not the text file {self.path}")
+
     def batches(self, source: int, text_field: str) -> Iterator[Batch]:
         """The whole file as one document, in pieces cut at line ends (no word is split)."""
         previous = None
@@ -150,6 +155,22 @@ class JsonLinesSource(Source):
                                     f"line): convert it, e.g. jq -c '.[]' {self.path.name} > {self.path.stem}.jsonl")
                 parse_json_lines([line], n, str(self.path), text_field)
                 return
+
+    def records(self, fields: tuple[str, ...]) -> Iterator[tuple[str, dict]]:
+        """("FILE line N", object) of each non-blank line (fields are checked per record by the caller)."""
+        with self.path.open("rb") as f:
+            for n, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                where = f"{self.path} line {n}"
+                try:
+                    record = json.loads(line)
+                except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+                    raise DataError(f"{where} is not JSON ({exc}); a .jsonl file holds one JSON object per line") from None
+                if not isinstance(record, dict):
+                    raise DataError(f"{where} is a JSON {type(record).__name__}, not an object; "
+                                    "a .jsonl file holds one JSON object per line")
+                yield where, record
 
     def batches(self, source: int, text_field: str) -> Iterator[Batch]:
         lines: list[bytes] = []

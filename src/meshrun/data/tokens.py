@@ -29,8 +29,12 @@ log = logging.getLogger(__name__)
 
 TOKENS_FILE = "tokens.bin"
 META_FILE = "meta.json"
+LOSS_MASK_FILE = "loss_mask.bin"  # uint8 per token: 1 = trained as a target (chat / prompt-completion data)
+EXAMPLES_FILE = "examples.bin"  # int64 per example: the token offset where it starts
+IGNORE_INDEX = -100  # the target of a token whose mask is 0: F.cross_entropy's default ignore_index
 FORMAT = "meshrun-tokens"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2 adds loss_mask and examples; plain text is still written as version 1
+TEXT_VERSION = 1
 DTYPES = ("uint16", "uint32")  # names of torch dtypes
 ITEMSIZE = {"uint16": 2, "uint32": 4}
 # Files up to this size get a full sha256 check on open (about 0.3 s); larger ones a sampled one.
@@ -60,11 +64,31 @@ class TokenMeta:
     """Held-out tail chosen at prepare time (`--val-fraction`); None lets data.val_fraction decide."""
     byte_order: str = "little"
     format: str = FORMAT
-    version: int = FORMAT_VERSION
+    version: int = TEXT_VERSION
+    records: str = "text"
+    """What was tokenized: "text", "chat" or "prompt-completion" (version 2)."""
+    loss_mask: dict | None = None
+    """Version 2: `{"file", "sha256", "num_trained", "train_on"}` of loss_mask.bin (uint8, one per token,
+    1 = the token is trained as a target); None = every token is trained."""
+    examples: dict | None = None
+    """Version 2: `{"file", "sha256", "count"}` of examples.bin (int64 start offset of each example)."""
+    skipped: dict | None = None
+    """Version 2: records left out, by reason (`{"too_long": n, "empty": n, "unknown_role": n, ...}`)."""
 
     @property
     def num_bytes(self) -> int:
         return self.num_tokens * ITEMSIZE[self.dtype]
+
+
+def meta_json(meta: TokenMeta) -> str:
+    """meta.json's text: version-2 keys only when set, so a text directory's file is as version 1 wrote it."""
+    from dataclasses import asdict
+
+    raw = asdict(meta)
+    if meta.version < 2:
+        for key in ("records", "loss_mask", "examples", "skipped"):
+            raw.pop(key)
+    return json.dumps(raw, indent=2) + "\n"
 
 
 def dtype_for_vocab(vocab_size: int) -> str:
@@ -141,6 +165,9 @@ def read_meta(path: str | Path) -> TokenMeta:
         (isinstance(meta.tokenizer, dict), f"tokenizer {meta.tokenizer!r} is not a table"),
         (isinstance(meta.sources, list) and all(isinstance(x, dict) for x in meta.sources),
          f"sources {meta.sources!r} is not a list of tables"),
+        (meta.loss_mask is None or (isinstance(meta.loss_mask, dict) and meta.loss_mask.get("file") == LOSS_MASK_FILE
+                                    and _sha(meta.loss_mask.get("sha256"))),
+         f"loss_mask {meta.loss_mask!r} is not a table naming {LOSS_MASK_FILE} and its sha256"),
         (meta.val_fraction is None or (type(meta.val_fraction) in (int, float) and 0 <= meta.val_fraction < 1),
          f"val_fraction {meta.val_fraction!r} is not in [0, 1)"),
     ]
@@ -148,6 +175,25 @@ def read_meta(path: str | Path) -> TokenMeta:
         if not ok:
             raise _corrupt(meta_path, why)
     return meta
+
+
+def open_loss_mask(path: str | Path, meta: TokenMeta, *, verify: str = "auto") -> torch.Tensor | None:
+    """Memory-map DIR/loss_mask.bin (uint8, one per token) after checking its size and sha256;
+    None for a directory without one (every token trained)."""
+    if meta.loss_mask is None:
+        return None
+    mask_path = Path(path).expanduser() / LOSS_MASK_FILE
+    if not mask_path.is_file():
+        raise DataError(f"{mask_path} is missing, but {META_FILE} records a loss mask; {REPREPARE_HINT}")
+    found = mask_path.stat().st_size
+    if found != meta.num_tokens:
+        raise _corrupt(mask_path, f"expected {meta.num_tokens} bytes (one per token), found {found}")
+    if verify in ("auto", "full") and (verify == "full" or found <= FULL_VERIFY_MAX_BYTES):
+        if _full_sha256(mask_path) != meta.loss_mask["sha256"]:
+            raise _corrupt(mask_path, "sha256 does not match meta.json (the file changed after prepare)")
+    import torch
+
+    return torch.from_file(str(mask_path), shared=False, size=meta.num_tokens, dtype=torch.uint8)
 
 
 def sample_sha256(path: Path) -> str:

@@ -7,6 +7,14 @@ rank's share of the sequence: its loss is the mean over its tokens, and every cp
 many, so FSDP's average over dp_shard x cp is the mean over every token. Under pipeline
 parallel (`train_step_pp`) the schedule runs forward and backward of every micro-batch
 itself, only the last stage sees the loss, and the grad norm combines the stages.
+
+Masked data (chat / prompt-completion token directories: targets left out of the loss are -100,
+cross entropy's ignore_index) is averaged over the trained tokens of the whole global batch: each
+step first counts them over every micro-batch and every data-parallel rank (one all-reduce), then
+each micro-batch's loss is its sum over its trained tokens / that count x the ranks the gradients
+are averaged over. The result equals one process on the same global batch, however unevenly the
+trained tokens fall on ranks and micro-batches (a mean of per-micro-batch means would not).
+Unmasked data keeps the per-micro-batch mean / grad_accum, bit for bit as before.
 """
 
 from __future__ import annotations
@@ -21,6 +29,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from meshrun.data.tokens import IGNORE_INDEX
+from meshrun.errors import DataError
 from meshrun.parallel.context import ContextParallel
 from meshrun.parallel.layout import BuiltLayout
 from meshrun.parallel.parallelize import clip_grad_norm_ as clip_dtensor_grad_norm_
@@ -28,11 +38,31 @@ from meshrun.train.precision import LossScaler, autocast_context
 
 
 def lm_loss(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor,
-            positions: torch.Tensor | None = None) -> torch.Tensor:
-    """Mean next-token cross entropy over every position of the batch; `positions` are the
-    columns' sequence positions when they are not 0..T-1 (context parallel)."""
+            positions: torch.Tensor | None = None, *, reduction: str = "mean") -> torch.Tensor:
+    """Next-token cross entropy over the positions of the batch whose target is not IGNORE_INDEX:
+    their mean, or their sum (reduction="sum"); `positions` are the columns' sequence positions
+    when they are not 0..T-1 (context parallel)."""
     logits = model(inputs) if positions is None else model(inputs, positions=positions)
-    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE_INDEX,
+                           reduction=reduction)
+
+
+def trained_token_scale(micro_batches: list[tuple[torch.Tensor, torch.Tensor]], *, world_size: int,
+                        dp_size: int, grad_ranks: int) -> float:
+    """What a micro-batch's summed loss is multiplied by so that the gradients, once averaged over
+    `grad_ranks` ranks (dp x cp), are those of the sum over the global batch / its trained tokens.
+
+    One all-reduce over the world of this rank's trained-target count (0 batches: none); each dp
+    rank's batch is held by world_size / dp_size ranks (tp, pp, cp), so that many copies are summed.
+    """
+    count = sum(int((targets != IGNORE_INDEX).sum()) for _, targets in micro_batches)
+    if world_size > 1:
+        import torch.distributed as dist
+
+        total = torch.tensor([count], dtype=torch.float64)
+        dist.all_reduce(total, op=dist.ReduceOp.SUM)
+        count = round(float(total.item())) // (world_size // dp_size)
+    return grad_ranks / max(count, 1)
 
 
 def sequence_context(cp: ContextParallel | None, inputs: torch.Tensor, targets: torch.Tensor):
@@ -85,8 +115,12 @@ def train_step(
     need_grad_norm: bool = True,
     scaler: LossScaler | None = None,
     context_parallel: ContextParallel | None = None,
+    token_scale: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, float]:
     """Run `grad_accum` micro-batches and one optimizer step.
+
+    token_scale: masked data's `trained_token_scale` for this step's batches (then each loss is
+    the sum over trained tokens x token_scale); None: the mean / grad_accum.
 
     With a `scaler` (fp16) backward runs on the scaled loss, the gradients are unscaled before
     clipping, and a step whose gradients overflowed is skipped (the scaler counts it).
@@ -112,7 +146,10 @@ def train_step(
             started = time.perf_counter()
             with _loss_parallel_context(loss_parallel):
                 with autocast_context(device, dtype):
-                    loss = lm_loss(model, inputs, targets, positions) / grad_accum
+                    if token_scale is None:
+                        loss = lm_loss(model, inputs, targets, positions) / grad_accum
+                    else:
+                        loss = lm_loss(model, inputs, targets, positions, reduction="sum") * token_scale
                 forward_s += time.perf_counter() - started
                 (scaler.scale(loss) if scaler is not None else loss).backward()
         if isinstance(loss, DTensor):
@@ -205,8 +242,10 @@ def evaluate_pp(pipeline, batches, *, steps: int, device: torch.device, dtype: s
 
 @torch.no_grad()
 def evaluate(model: nn.Module, batches, *, steps: int, device: torch.device, dtype: str,
-             loss_parallel: bool = False, context_parallel: ContextParallel | None = None) -> torch.Tensor:
-    """Mean loss of this rank over up to `steps` held-out batches (caller averages across ranks)."""
+             loss_parallel: bool = False, context_parallel: ContextParallel | None = None,
+             masked: bool = False) -> torch.Tensor:
+    """Mean loss of this rank over up to `steps` held-out batches (caller averages across ranks);
+    masked: over this rank's trained tokens of those batches (a batch may have none)."""
     was_training = model.training
     model.eval()
     total, count = torch.zeros((), device=device), 0
@@ -216,9 +255,9 @@ def evaluate(model: nn.Module, batches, *, steps: int, device: torch.device, dty
         split = sequence_context(context_parallel, inputs.to(device), targets.to(device))
         with split as (inputs, targets, positions), _loss_parallel_context(loss_parallel), \
                 autocast_context(device, dtype):
-            loss = lm_loss(model, inputs, targets, positions)
+            loss = lm_loss(model, inputs, targets, positions, reduction="sum" if masked else "mean")
         total += loss.full_tensor() if isinstance(loss, DTensor) else loss
-        count += 1
+        count += int((targets != IGNORE_INDEX).sum()) if masked else 1
     model.train(was_training)
     return total / max(count, 1)
 
@@ -228,9 +267,12 @@ Batches = Iterator[tuple[torch.Tensor, torch.Tensor]]
 
 def layout_step(layout: BuiltLayout, optimizers: list[torch.optim.Optimizer], batches: Batches, *,
                 grad_accum: int, dtype: str, grad_clip: float, need_grad_norm: bool = True,
-                scaler=None) -> tuple[torch.Tensor, torch.Tensor, float]:
+                scaler=None, masked: bool = False) -> tuple[torch.Tensor, torch.Tensor, float]:
     """One optimizer step of a built layout over `grad_accum` micro-batches: (this rank's loss,
     grad norm, seconds), whatever the parallelism.
+
+    masked: the data has a loss mask: the loss is averaged over the global batch's trained tokens
+    (its micro-batches are read first, to count them).
 
     The loss is not yet averaged over the ranks (`layout_mean_loss`, a collective, does that).
     `scaler`: fp16's LossScaler (meshrun.train.precision); pipelines refuse fp16 (parallel/rules.py)."""
@@ -238,20 +280,32 @@ def layout_step(layout: BuiltLayout, optimizers: list[torch.optim.Optimizer], ba
                   need_grad_norm=need_grad_norm)
     if layout.pipeline is not None:
         assert scaler is None, "fp16 under pp is refused by meshrun.parallel.rules.check_precision"
+        if masked:
+            raise DataError("data.path holds a loss mask (chat / prompt-completion data), which pipeline "
+                            "parallel (parallel.pp > 1) does not average over trained tokens yet; train it "
+                            "with pp = 1 (dp, fsdp, tp or cp)")
         return train_step_pp(layout.pipeline, optimizers, batches, pp_group=layout.pp_group,
                              context_parallel=layout.context_parallel, **common)
+    token_scale = None
+    if masked:
+        micro_batches = [next(batches) for _ in range(grad_accum)]
+        cp = layout.context_parallel.degree if layout.context_parallel is not None else 1
+        token_scale = trained_token_scale(micro_batches, world_size=layout.world_size, dp_size=layout.dp_size,
+                                          grad_ranks=layout.dp_size * cp)
+        batches = iter(micro_batches)
     return train_step(layout.parts[0], optimizers[0], batches, loss_parallel=layout.loss_parallel,
-                      scaler=scaler, context_parallel=layout.context_parallel, **common)
+                      scaler=scaler, context_parallel=layout.context_parallel, token_scale=token_scale, **common)
 
 
-def layout_evaluate(layout: BuiltLayout, batches, *, steps: int, dtype: str) -> float:
+def layout_evaluate(layout: BuiltLayout, batches, *, steps: int, dtype: str, masked: bool = False) -> float:
     """Mean held-out loss over up to `steps` batches, averaged over the ranks (every rank calls it)."""
     if layout.pipeline is not None:
         local = evaluate_pp(layout.pipeline, batches, steps=steps, device=layout.device, dtype=dtype,
                             context_parallel=layout.context_parallel)
     else:
         local = evaluate(layout.parts[0], batches, steps=steps, device=layout.device, dtype=dtype,
-                         loss_parallel=layout.loss_parallel, context_parallel=layout.context_parallel)
+                         loss_parallel=layout.loss_parallel, context_parallel=layout.context_parallel,
+                         masked=masked)
     return layout_mean_loss(layout, local)
 
 

@@ -174,7 +174,8 @@ def _loop(run: _Run, cfg: JobConfig, env: DistEnv, run_dir: Path, profiler: Step
         with phase("compile") if compiling else nullcontext():
             loss, grad_norm, compute_s = layout_step(
                 layout, state.optimizers, batches, grad_accum=tcfg.grad_accum, dtype=tcfg.dtype,
-                grad_clip=tcfg.grad_clip, need_grad_norm=log_now, scaler=state.scaler)
+                grad_clip=tcfg.grad_clip, need_grad_norm=log_now, scaler=state.scaler,
+                masked=getattr(state.train_loader, "masked", False))
         moe_figures = run.moe.after_step(log_now, layout.device) if run.moe is not None else None
         compiled_steps += 1
         compiled_kinds.add(log_now)
@@ -307,7 +308,8 @@ def _evaluate(run: _Run, cfg: JobConfig, step: int, metrics: MetricsLogger, prog
     if run.val_loader is None:
         return
     with phase("eval"):
-        value = layout_evaluate(run.layout, run.val_loader, steps=cfg.train.eval_steps, dtype=cfg.train.dtype)
+        value = layout_evaluate(run.layout, run.val_loader, steps=cfg.train.eval_steps, dtype=cfg.train.dtype,
+                                masked=getattr(run.state.train_loader, "masked", False))
     run.eval_losses.append((step, value))
     metrics.log_eval(step, eval_loss=value)
     progress.write(f"step {step}: eval loss {value:.4f}")
