@@ -232,7 +232,7 @@ def test_hf_export_of_a_moe_run_is_refused():
     from meshrun.models.to_hf import builtin_plan
 
     run_config = as_dict(load_config(None, ["model.name=tiny-moe"]))
-    with pytest.raises(ConfigError, match=r"^model\.experts=4: export --format hf .*--format safetensors"):
+    with pytest.raises(ConfigError, match=r"^model\.experts=4: .*no Hugging Face layout.*--format safetensors"):
         builtin_plan({"tok_embeddings.weight": ((259, 128), None)}, run_config, {})
 
 

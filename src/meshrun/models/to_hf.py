@@ -86,8 +86,9 @@ def builtin_plan(specs: dict[str, tuple], run_config: dict, tokenizer_ids: dict)
     vocab = specs.get("tok_embeddings.weight", specs.get("output.weight", ((0,), None)))[0][0]
     args = model_args_from_config(model_cfg, vocab or None)
     if args.experts:
-        raise ConfigError(f"model.experts={args.experts}: export --format hf has no Hugging Face layout for the "
-                          "built-in mixture of experts yet; use --format safetensors")
+        raise ConfigError(f"model.experts={args.experts}: the built-in mixture of experts has no Hugging Face "
+                          "layout yet, which `meshrun ckpt export --format hf` and `meshrun generate` need; "
+                          "export its weights with --format safetensors")
     names = {name: to_hf_key(builtin_to_adapter(name)) for name in specs
              if not (args.tie_embeddings and name == "output.weight")}
     want = {to_hf_key(builtin_to_adapter(n)) for n in builtin_names(args)}
