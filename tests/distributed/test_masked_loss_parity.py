@@ -6,7 +6,7 @@ rank 1's few, and within a rank the two micro-batches differ too, so a mean of p
 per-micro-batch means (the "loss over micro-batches" bug) would differ from one process by far
 more than the tolerance. Each layout runs meshrun's own `layout_step` (masked=True) for 4 SGD
 steps; its dp-averaged loss and grad norm must match one process (grad_accum 1, the whole batch)
-within 1e-4 at every step. Layouts: ddp 2, fsdp 2, tp 2 with loss parallel, cp 2.
+within 1e-4 at every step. Layouts: ddp 2, fsdp 2, tp 2 with loss parallel, cp 2, pp 2.
 """
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ from meshrun.models.llama import ModelArgs, Transformer
 from meshrun.parallel.context import ContextParallel
 from meshrun.parallel.dims import ParallelDims
 from meshrun.parallel.layout import BuiltLayout
-from meshrun.parallel.parallelize import parallelize_nd
+from meshrun.parallel.parallelize import parallelize_nd, parallelize_pipeline
+from meshrun.parallel.pipeline import resolve_pipeline
 from meshrun.testing import run_distributed
 from meshrun.train.step import IGNORE_INDEX, layout_mean_loss, layout_step
 
@@ -35,6 +36,7 @@ LAYOUTS = {  # name -> degrees, loss_parallel
     "fsdp2": (dict(dp_shard=2), False),
     "tp2_loss_parallel": (dict(tp=2), True),
     "cp2": (dict(cp=2), False),
+    "pp2": (dict(pp=2), False),  # the schedule's loss: 2 micro-batches of the schedule per accumulation step
 }
 
 
@@ -61,13 +63,20 @@ def _train(degrees: dict | None = None, loss_parallel: bool = False, *, old_mean
         world = dist.get_world_size()
         dims = ParallelDims(**{"dp_replicate": 1, "dp_shard": 1, "tp": 1, "pp": 1, **degrees}, world_size=world)
         mesh = dims.build_mesh("cpu")
-        part = parallelize_nd(model, dims, mesh, device=CPU, loss_parallel=loss_parallel)
-        layout = BuiltLayout([part], dp_rank=dims.dp_rank(mesh), dp_size=dims.dp_size, device=CPU,
-                             world_size=world, dims=dims, mesh=mesh, loss_parallel=loss_parallel,
+        accum, pipeline = 2, None
+        if dims.pp_enabled:
+            plan = resolve_pipeline(pp=dims.pp, schedule="gpipe", stages_per_rank=0, split_points="", n_layers=2,
+                                    batch_size=GLOBAL_BATCH // dims.dp_size // accum, microbatches=0,
+                                    dp_size=dims.dp_size)
+            pipeline = parallelize_pipeline(model, dims, mesh, plan, device=CPU, grad_accum=accum)
+            parts = pipeline.parts
+        else:
+            parts = [parallelize_nd(model, dims, mesh, device=CPU, loss_parallel=loss_parallel)]
+        layout = BuiltLayout(parts, dp_rank=dims.dp_rank(mesh), dp_size=dims.dp_size, device=CPU,
+                             world_size=world, dims=dims, mesh=mesh, loss_parallel=loss_parallel, pipeline=pipeline,
                              context_parallel=ContextParallel(mesh["cp"]) if dims.cp_enabled else None)
-        accum = 2
     accum = 4 if old_mean else accum
-    optimizer = torch.optim.SGD(layout.parts[0].parameters(), lr=0.5)
+    optimizers = [torch.optim.SGD(part.parameters(), lr=0.5) for part in layout.parts]
     inputs, targets = _batch()
     per_rank = GLOBAL_BATCH // layout.dp_size
     rows = range(layout.dp_rank * per_rank, (layout.dp_rank + 1) * per_rank)
@@ -76,7 +85,7 @@ def _train(degrees: dict | None = None, loss_parallel: bool = False, *, old_mean
     for _ in range(STEPS):
         batches = iter([(inputs[rows.start + i * micro: rows.start + (i + 1) * micro],
                          targets[rows.start + i * micro: rows.start + (i + 1) * micro]) for i in range(accum)])
-        loss, norm, _ = layout_step(layout, [optimizer], batches, grad_accum=accum, dtype="fp32", grad_clip=0.0,
+        loss, norm, _ = layout_step(layout, optimizers, batches, grad_accum=accum, dtype="fp32", grad_clip=0.0,
                                     masked=not old_mean)
         out["losses"].append(layout_mean_loss(layout, loss))
         out["norms"].append(float(norm))
@@ -87,7 +96,7 @@ def _rank_layouts() -> dict[str, dict]:
     return {name: _train(degrees, lp) for name, (degrees, lp) in LAYOUTS.items()}
 
 
-def test_masked_loss_under_ddp_fsdp_tp_cp_with_grad_accum_matches_one_process():
+def test_masked_loss_under_ddp_fsdp_tp_cp_pp_with_grad_accum_matches_one_process():
     ranks = run_distributed(_rank_layouts, world_size=2, timeout=60)
     ref = _train()
     # the old averaging (each micro-batch's mean / grad_accum, 4 micro-batches of 2 rows) on one

@@ -42,6 +42,9 @@ from meshrun.parallel.rules_pp import (
 # sends (on the first step, and on the first after an eval). A model that keeps per-step
 # statistics (meshrun.models.moe) counts only the micro-batches' forwards: forward_is_step_work.
 _STEP_WORK: ContextVar[bool] = ContextVar("meshrun_step_work", default=True)
+# Masked data: what each micro-batch's summed loss is multiplied by during one `Pipeline.step`
+# (None: the mean / micro-batches x grad_accum).
+_TOKEN_SCALE: ContextVar[float | None] = ContextVar("meshrun_token_scale", default=None)
 
 
 def forward_is_step_work() -> bool:
@@ -103,7 +106,11 @@ def lm_loss_fn(scale: int = 1):
     """
 
     def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten()) / scale
+        token_scale = _TOKEN_SCALE.get()
+        if token_scale is None:
+            return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten()) / scale
+        # masked data: the sum over trained targets (ignore_index -100) x the step's scale (meshrun.train.step)
+        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum") * token_scale
 
     return loss_fn
 
@@ -127,9 +134,12 @@ class Pipeline:
         return any(stage.is_last for stage in self.stages)
 
     def step(self, inputs: torch.Tensor, targets: torch.Tensor, *, train: bool = True,
-             positions: torch.Tensor | None = None) -> torch.Tensor:
+             positions: torch.Tensor | None = None, token_scale: float | None = None) -> torch.Tensor:
         """One schedule step over a whole (per dp rank) batch; returns the batch's mean loss /
         grad_accum on the rank holding the last stage and 0 elsewhere (detached).
+
+        `token_scale` (masked data): each micro-batch's loss is its sum over trained targets x
+        token_scale instead (meshrun.train.step.trained_token_scale), and so is what is returned.
 
         `positions` (T,): the sequence positions of the columns (context parallel's share). Every
         stage's forward gets them, one row per sample, split into micro-batches with the batch."""
@@ -139,12 +149,14 @@ class Pipeline:
         if positions is not None:
             kwargs["positions"] = positions.expand(inputs.shape[0], -1)
         token = _STEP_WORK.set(False)  # only the micro-batches' forwards are (MicroBatchStage)
+        scale_token = _TOKEN_SCALE.set(token_scale)
         try:
             if train:
                 self.schedule.step(*args, **kwargs)
             else:
                 self.schedule.eval(*args, **kwargs)
         finally:
+            _TOKEN_SCALE.reset(scale_token)
             _STEP_WORK.reset(token)
         if not losses:
             return torch.zeros((), device=inputs.device)

@@ -14,6 +14,7 @@ step first counts them over every micro-batch and every data-parallel rank (one 
 each micro-batch's loss is its sum over its trained tokens / that count x the ranks the gradients
 are averaged over. The result equals one process on the same global batch, however unevenly the
 trained tokens fall on ranks and micro-batches (a mean of per-micro-batch means would not).
+Pipeline parallel does the same inside the schedule's loss (`Pipeline.step(token_scale=...)`).
 Unmasked data keeps the per-micro-batch mean / grad_accum, bit for bit as before.
 """
 
@@ -30,7 +31,6 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from meshrun.data.tokens import IGNORE_INDEX
-from meshrun.errors import DataError
 from meshrun.parallel.context import ContextParallel
 from meshrun.parallel.layout import BuiltLayout
 from meshrun.parallel.parallelize import clip_grad_norm_ as clip_dtensor_grad_norm_
@@ -185,8 +185,10 @@ def train_step_pp(
     pp_group,
     need_grad_norm: bool = True,
     context_parallel: ContextParallel | None = None,
+    token_scale: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, float]:
     """`train_step` under pipeline parallel: `grad_accum` schedule steps, then every part's optimizer.
+    `token_scale`: as in `train_step` (masked data).
 
     Every rank of a pipeline reads the same batch (they share a dp rank); the first stage
     consumes the inputs and the last the targets. The loss is 0 on ranks without the last
@@ -200,7 +202,7 @@ def train_step_pp(
         inputs, targets = inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
         with sequence_context(context_parallel, inputs, targets) as (inputs, targets, positions), \
                 autocast_context(device, dtype):
-            total += pipeline.step(inputs, targets, positions=positions)
+            total += pipeline.step(inputs, targets, positions=positions, token_scale=token_scale)
     step_s = time.perf_counter() - started
     params = [p for part in pipeline.parts for p in part.parameters() if p.grad is not None]
     if grad_clip <= 0 and not need_grad_norm:
@@ -278,14 +280,6 @@ def layout_step(layout: BuiltLayout, optimizers: list[torch.optim.Optimizer], ba
     `scaler`: fp16's LossScaler (meshrun.train.precision); pipelines refuse fp16 (parallel/rules.py)."""
     common = dict(grad_accum=grad_accum, device=layout.device, dtype=dtype, grad_clip=grad_clip,
                   need_grad_norm=need_grad_norm)
-    if layout.pipeline is not None:
-        assert scaler is None, "fp16 under pp is refused by meshrun.parallel.rules.check_precision"
-        if masked:
-            raise DataError("data.path holds a loss mask (chat / prompt-completion data), which pipeline "
-                            "parallel (parallel.pp > 1) does not average over trained tokens yet; train it "
-                            "with pp = 1 (dp, fsdp, tp or cp)")
-        return train_step_pp(layout.pipeline, optimizers, batches, pp_group=layout.pp_group,
-                             context_parallel=layout.context_parallel, **common)
     token_scale = None
     if masked:
         micro_batches = [next(batches) for _ in range(grad_accum)]
@@ -293,6 +287,10 @@ def layout_step(layout: BuiltLayout, optimizers: list[torch.optim.Optimizer], ba
         token_scale = trained_token_scale(micro_batches, world_size=layout.world_size, dp_size=layout.dp_size,
                                           grad_ranks=layout.dp_size * cp)
         batches = iter(micro_batches)
+    if layout.pipeline is not None:
+        assert scaler is None, "fp16 under pp is refused by meshrun.parallel.rules.check_precision"
+        return train_step_pp(layout.pipeline, optimizers, batches, pp_group=layout.pp_group,
+                             context_parallel=layout.context_parallel, token_scale=token_scale, **common)
     return train_step(layout.parts[0], optimizers[0], batches, loss_parallel=layout.loss_parallel,
                       scaler=scaler, context_parallel=layout.context_parallel, token_scale=token_scale, **common)
 
