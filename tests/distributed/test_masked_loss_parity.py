@@ -6,7 +6,9 @@ rank 1's few, and within a rank the two micro-batches differ too, so a mean of p
 per-micro-batch means (the "loss over micro-batches" bug) would differ from one process by far
 more than the tolerance. Each layout runs meshrun's own `layout_step` (masked=True) for 4 SGD
 steps; its dp-averaged loss and grad norm must match one process (grad_accum 1, the whole batch)
-within 1e-4 at every step. Layouts: ddp 2, fsdp 2, tp 2 with loss parallel, cp 2, pp 2.
+within 1e-4 at every step, and so must the held-out loss of the batch after them (not under pp,
+whose evaluation averages the schedule's micro-batches). Layouts: ddp 2, fsdp 2, tp 2 with loss
+parallel, cp 2, pp 2.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from meshrun.parallel.layout import BuiltLayout
 from meshrun.parallel.parallelize import parallelize_nd, parallelize_pipeline
 from meshrun.parallel.pipeline import resolve_pipeline
 from meshrun.testing import run_distributed
-from meshrun.train.step import IGNORE_INDEX, layout_mean_loss, layout_step
+from meshrun.train.step import IGNORE_INDEX, layout_evaluate, layout_mean_loss, layout_step
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -89,6 +91,8 @@ def _train(degrees: dict | None = None, loss_parallel: bool = False, *, old_mean
                                     masked=not old_mean)
         out["losses"].append(layout_mean_loss(layout, loss))
         out["norms"].append(float(norm))
+    if layout.pipeline is None:  # held-out loss: over the trained targets of every rank's rows
+        out["eval"] = layout_evaluate(layout, [(inputs[rows], targets[rows])], steps=1, dtype="fp32", masked=True)
     return out
 
 
@@ -108,4 +112,5 @@ def test_masked_loss_under_ddp_fsdp_tp_cp_pp_with_grad_accum_matches_one_process
         for rank, got in enumerate(ranks):
             assert got[name]["losses"] == pytest.approx(ref["losses"], abs=TOL), f"{name} rank {rank}"
             assert got[name]["norms"] == pytest.approx(ref["norms"], abs=TOL), f"{name} rank {rank}"
+            assert got[name].get("eval", ref["eval"]) == pytest.approx(ref["eval"], abs=TOL), f"{name} rank {rank}"
     assert ref["losses"][-1] < ref["losses"][0], "the reference did not learn"

@@ -247,7 +247,8 @@ def evaluate(model: nn.Module, batches, *, steps: int, device: torch.device, dty
              loss_parallel: bool = False, context_parallel: ContextParallel | None = None,
              masked: bool = False) -> torch.Tensor:
     """Mean loss of this rank over up to `steps` held-out batches (caller averages across ranks);
-    masked: over this rank's trained tokens of those batches (a batch may have none)."""
+    masked: [sum of the per-token losses, trained targets] of those batches instead (a batch, or a
+    rank, may have none: `layout_evaluate` divides the sums over all ranks)."""
     was_training = model.training
     model.eval()
     total, count = torch.zeros((), device=device), 0
@@ -261,6 +262,8 @@ def evaluate(model: nn.Module, batches, *, steps: int, device: torch.device, dty
         total += loss.full_tensor() if isinstance(loss, DTensor) else loss
         count += int((targets != IGNORE_INDEX).sum()) if masked else 1
     model.train(was_training)
+    if masked:
+        return torch.stack([total.float(), torch.tensor(float(count), device=device)])
     return total / max(count, 1)
 
 
@@ -296,7 +299,9 @@ def layout_step(layout: BuiltLayout, optimizers: list[torch.optim.Optimizer], ba
 
 
 def layout_evaluate(layout: BuiltLayout, batches, *, steps: int, dtype: str, masked: bool = False) -> float:
-    """Mean held-out loss over up to `steps` batches, averaged over the ranks (every rank calls it)."""
+    """Mean held-out loss over up to `steps` batches, averaged over the ranks (every rank calls it).
+    masked: over the trained targets of every rank's batches (under pp: the mean of the
+    schedule's micro-batch means, each over its trained targets)."""
     if layout.pipeline is not None:
         local = evaluate_pp(layout.pipeline, batches, steps=steps, device=layout.device, dtype=dtype,
                             context_parallel=layout.context_parallel)
@@ -304,6 +309,12 @@ def layout_evaluate(layout: BuiltLayout, batches, *, steps: int, dtype: str, mas
         local = evaluate(layout.parts[0], batches, steps=steps, device=layout.device, dtype=dtype,
                          loss_parallel=layout.loss_parallel, context_parallel=layout.context_parallel,
                          masked=masked)
+        if masked:  # sum and count over the world: tp ranks repeat both, cp and dp ranks add their own
+            if layout.world_size > 1:
+                import torch.distributed as dist
+
+                dist.all_reduce(local, op=dist.ReduceOp.SUM)
+            return float(local[0] / local[1].clamp(min=1))
     return layout_mean_loss(layout, local)
 
 
