@@ -208,11 +208,21 @@ def test_the_step_averages_over_trained_tokens_not_over_micro_batches():
     assert norms[0][0] == pytest.approx(float(lm_loss(model, inputs, targets).detach()), rel=1e-6)
 
 
-def test_parquet_chat_records_give_the_same_tokens_as_jsonl(tmp_path: Path, toks):
+def test_parquet_and_save_to_disk_chat_records_give_the_same_tokens_as_jsonl(tmp_path: Path, toks):
     pa = pytest.importorskip("pyarrow")
     pq = pytest.importorskip("pyarrow.parquet")
-    pq.write_table(pa.table({"messages": [TALK["messages"]]}), tmp_path / "c.parquet")
+    table = pa.table({"messages": [TALK["messages"]]})
+    pq.write_table(table, tmp_path / "c.parquet")
+    saved = tmp_path / "saved"  # the layout Dataset.save_to_disk writes: state.json + an Arrow stream
+    saved.mkdir()
+    with pa.OSFile(str(saved / "data-00000-of-00001.arrow"), "wb") as sink, pa.ipc.new_stream(sink, table.schema) as w:
+        w.write_table(table)
+    (saved / "state.json").write_text(json.dumps({"_data_files": [{"filename": "data-00000-of-00001.arrow"}]}))
     tok = load_tokenizer(toks["prefix"])
-    a = prepare_examples([tmp_path / "c.parquet"], tmp_path / "p", tok, records_kind="chat")
-    b = prepare_examples([_jsonl(tmp_path / "c.jsonl", [TALK])], tmp_path / "j", tok, records_kind="chat")
-    assert (a.sha256, a.loss_mask["sha256"]) == (b.sha256, b.loss_mask["sha256"])
+    expected = prepare_examples([_jsonl(tmp_path / "c.jsonl", [TALK])], tmp_path / "j", tok, records_kind="chat")
+    for src in (tmp_path / "c.parquet", saved):
+        got = prepare_examples([src], tmp_path / src.stem, tok, records_kind="chat")
+        assert (got.sha256, got.loss_mask["sha256"]) == (expected.sha256, expected.loss_mask["sha256"]), src
+    pq.write_table(pa.table({"text": ["x"]}), tmp_path / "t.parquet")
+    with pytest.raises(DataError, match="has no field 'messages' \\(its fields: 'text'\\); --format chat reads"):
+        prepare_examples([tmp_path / "t.parquet"], tmp_path / "t", tok, records_kind="chat")
