@@ -48,18 +48,19 @@ def lm_loss(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor,
 
 
 def trained_token_scale(micro_batches: list[tuple[torch.Tensor, torch.Tensor]], *, world_size: int,
-                        dp_size: int, grad_ranks: int) -> float:
+                        dp_size: int, grad_ranks: int, device: torch.device | str = "cpu") -> float:
     """What a micro-batch's summed loss is multiplied by so that the gradients, once averaged over
     `grad_ranks` ranks (dp x cp), are those of the sum over the global batch / its trained tokens.
 
     One all-reduce over the world of this rank's trained-target count (0 batches: none); each dp
     rank's batch is held by world_size / dp_size ranks (tp, pp, cp), so that many copies are summed.
+    `device`: where the count travels (the backend's: NCCL all-reduces only accelerator tensors).
     """
     count = sum(int((targets != IGNORE_INDEX).sum()) for _, targets in micro_batches)
     if world_size > 1:
         import torch.distributed as dist
 
-        total = torch.tensor([count], dtype=torch.float64)
+        total = torch.tensor([count], dtype=torch.float64, device=device)
         dist.all_reduce(total, op=dist.ReduceOp.SUM)
         count = round(float(total.item())) // (world_size // dp_size)
     return grad_ranks / max(count, 1)
@@ -288,7 +289,7 @@ def layout_step(layout: BuiltLayout, optimizers: list[torch.optim.Optimizer], ba
         micro_batches = [next(batches) for _ in range(grad_accum)]
         cp = layout.context_parallel.degree if layout.context_parallel is not None else 1
         token_scale = trained_token_scale(micro_batches, world_size=layout.world_size, dp_size=layout.dp_size,
-                                          grad_ranks=layout.dp_size * cp)
+                                          grad_ranks=layout.dp_size * cp, device=layout.device)
         batches = iter(micro_batches)
     if layout.pipeline is not None:
         assert scaler is None, "fp16 under pp is refused by meshrun.parallel.rules.check_precision"
