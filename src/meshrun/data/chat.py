@@ -53,7 +53,7 @@ def check_messages(messages: object, where: str) -> list[dict]:
                             "only text conversations are read")
         if msg["role"] not in ROLES:
             raise Skip("unknown_role", msg["role"])
-        out.append({"role": msg["role"], "content": content or ""})
+        out.append({**msg, "content": content or ""})  # other keys (name, tool_calls) go to the template too
     if not any(m["content"].strip() for m in out):
         raise Skip("empty")
     return out
