@@ -30,12 +30,16 @@ ring/step (layouts with cp): what a cp rank receives per step in context paralle
 keys and values of the other cp ranks and their gradients (communication, not memory).
 
 --simulate: the real build and one step per representative rank (each pipeline stage's first
-rank and its rank with the last shard); bytes are the local shards', collectives are per mesh
-dimension (count and this rank's input bytes per step). Pipeline layouts are not simulated yet.
+rank and its rank with the last shard); bytes are the local shards', peak is the most tensor
+bytes held in a step with the optimizer state there (torch's MemTracker), collectives are per
+mesh dimension (count and this rank's input bytes per step). Pipeline layouts are not simulated
+yet. With --device: the projected step time, tokens/s per GPU and MFU (meshrun.plan.project:
+compute at --compute-efficiency of the dense peak, data-parallel traffic overlapped, TP and
+context-parallel traffic added), and a rank over the device's memory is refused.
 
 examples:
   meshrun plan --model 8b --world 64 --device-memory 80 --batch-size 1 --seq-len 8192
-  meshrun plan examples/configs/gpu-8b.toml --simulate --nnodes 128 --nproc-per-node 8
+  meshrun plan examples/configs/gpu-8b.toml --simulate --nnodes 128 --nproc-per-node 8 --device h100
   meshrun plan --model tiny --world 4 --activation-checkpointing
   meshrun plan --model 1b --world 8 --seq-len 32768 --context-parallel --device-memory 80
   meshrun plan --show my.toml --world 4 --set parallel.strategy=fsdp --set parallel.tp=2
@@ -86,6 +90,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--nproc-per-node", type=positive_int, default=None,
                    help="--simulate: ranks per node (default: --world, or launch.nproc_per_node)")
     p.add_argument("--json", action="store_true", help="--simulate: print the result as JSON")
+    p.add_argument("--device", default=None, metavar="NAME",
+                   help="--simulate: project step time, tokens/s and MFU on this device (a100, h100, h200, b200), "
+                        "and refuse a rank whose peak memory is over its memory (or --device-memory)")
+    p.add_argument("--inter-node-gbps", type=float, default=400.0, metavar="GBITS",
+                   help="--simulate --device: network bandwidth per GPU between nodes, Gb/s (default 400)")
+    p.add_argument("--compute-efficiency", type=float, default=None, metavar="FRACTION",
+                   help="--simulate --device: share of the dense peak the model's FLOPs run at "
+                        "(default 0.40, eager bf16 training of a large decoder)")
     p.add_argument("--show", action="store_true",
                    help="print each parameter's placements and local shape per rank for the "
                         "config's [parallel] layout instead")
@@ -225,19 +237,20 @@ def main(argv: list[str]) -> int:
     return 0
 
 
-def _simulate_world(cfg, a) -> int:
-    """--nnodes x --nproc-per-node; else --world; else the config's fixed launch world."""
+def _simulate_world(cfg, a) -> tuple[int, int]:
+    """(world, ranks per node): --nnodes x --nproc-per-node; else --world (one node); else the
+    config's fixed launch world."""
     from meshrun.launch.args import fixed_world_size
 
     if a.nnodes is not None or a.nproc_per_node is not None:
         per_node = a.nproc_per_node or (fixed_world_size(cfg.launch.nproc_per_node, "1") or 1)
-        return (a.nnodes or 1) * per_node
+        return (a.nnodes or 1) * per_node, per_node
     if a.world is not None:
-        return a.world
+        return a.world, a.world
     fixed = fixed_world_size(cfg.launch.nproc_per_node, cfg.launch.nnodes)
     if fixed is None:
         raise ConfigError("--simulate needs the world: --nnodes N --nproc-per-node G (or --world N)")
-    return fixed
+    return fixed, fixed_world_size(cfg.launch.nproc_per_node, "1") or fixed
 
 
 def _simulate(cfg, a) -> int:
@@ -248,22 +261,36 @@ def _simulate(cfg, a) -> int:
     if a.model:
         raise ConfigError("--model: --simulate builds the config's own model; set [model] in the config "
                           "(or --set model.name=SIZE)")
-    world = _simulate_world(cfg, a)
+    from meshrun.plan.project import device as known_device
+
+    if a.compute_efficiency is not None and not a.device:
+        raise ConfigError("--compute-efficiency needs --device NAME: the device the projection is for")
+    dev = known_device(a.device) if a.device else None  # an unknown name is refused before the simulation
+    world, per_node = _simulate_world(cfg, a)
     sim = simulate(cfg, world)
+    projection = _project(cfg, a, sim, per_node) if dev else None
+    limit = a.device_memory * GIB if a.device_memory else dev.memory_gib * GIB if dev else None
     if a.json:
         print(json.dumps({
             "world": world, "layout": sim.layout.describe(), "seconds": round(sim.seconds, 2), "note": sim.note,
             "ranks": [{"rank": r.rank, "coords": r.coords, "params": r.params, "grads": r.grads, "optim": r.optim,
-                       "collectives": [vars(c) for c in r.collectives]} for r in sim.ranks]}, indent=1))
+                       "peak": r.peak, "collectives": [vars(c) for c in r.collectives]} for r in sim.ranks],
+            "projection": None if projection is None else {
+                "device": projection.device.name, "compute_efficiency": projection.efficiency,
+                "inter_node_gbps": projection.inter_node_gbps, "compute_s": projection.compute_s,
+                "comm_s": projection.comm_s, "exposed_s": projection.exposed_s, "step_s": projection.step_s,
+                "tokens_per_s_per_gpu": projection.tokens_per_s_per_gpu, "mfu": projection.mfu}}, indent=1))
+        _check_peak(sim, limit)
         return 0
-    unit_name, unit = ("GiB", GIB) if max(r.state for r in sim.ranks) >= GIB else ("MiB", MIB)
+    unit_name, unit = ("GiB", GIB) if max(r.peak.get("total", r.state) for r in sim.ranks) >= GIB else ("MiB", MIB)
     print(f"simulated {world} ranks ({sim.layout.describe()}) in {sim.seconds:.1f} s: "
           f"{len(sim.ranks)} representative rank(s), one training step each")
     if sim.note:
         print(f"note: {sim.note}")
-    cols = ("rank", "coords", "params", "grads", "optim", "state")
+    cols = ("rank", "coords", "params", "grads", "optim", "state", "peak", "peak activ")
     rows = [(str(r.rank), " ".join(f"{k}={v}" for k, v in r.coords.items() if sim.layout.dims.degrees.get(k, 1) > 1)
-             or "-", _fmt(r.params, unit), _fmt(r.grads, unit), _fmt(r.optim, unit), _fmt(r.state, unit))
+             or "-", _fmt(r.params, unit), _fmt(r.grads, unit), _fmt(r.optim, unit), _fmt(r.state, unit),
+             _fmt(r.peak.get("total", 0), unit), _fmt(r.peak.get("act", 0) + r.peak.get("temp", 0), unit))
             for r in sim.ranks]
     widths = [max(len(row[i]) for row in [cols, *rows]) for i in range(len(cols))]
     print(f"{unit_name} per rank:")
@@ -273,4 +300,44 @@ def _simulate(cfg, a) -> int:
     for r in sim.ranks:
         uses = ", ".join(f"{c.kind} over {c.dim}: {c.count} x, {c.bytes / MIB:.1f}" for c in r.collectives)
         print(f"  rank {r.rank}: {uses or 'none'}")
+    if projection is not None:
+        print("\n" + projection.describe())
+    _check_peak(sim, limit)
     return 0
+
+
+def _project(cfg, a, sim, per_node: int):
+    """The projection of `sim` on --device (meshrun.plan.project), or None with a note for a model
+    whose FLOPs per token meshrun does not know (an HF model)."""
+    from meshrun.models.args import flops_per_token
+    from meshrun.models.from_config import model_args_from_config
+    from meshrun.plan.project import DEFAULT_EFFICIENCY, project
+
+    if cfg.model.hf:
+        print("note: no projection for model.hf (FLOPs per token are known for the built-in decoder only)")
+        return None
+    args = model_args_from_config(cfg.model)
+    return project(sim, flops_per_token=flops_per_token(args, cfg.data.seq_len), seq_len=cfg.data.seq_len,
+                   nproc_per_node=per_node, device_name=a.device, inter_node_gbps=a.inter_node_gbps,
+                   efficiency=a.compute_efficiency or DEFAULT_EFFICIENCY, dtype=cfg.train.dtype,
+                   activation_checkpointing=bool(cfg.train.activation_checkpointing))
+
+
+def _check_peak(sim, limit: float | None) -> None:
+    """Refuse, as a launch would run out of memory: a rank whose simulated peak is over the device's."""
+    if limit is None:
+        return
+    worst = max(sim.ranks, key=lambda r: r.peak.get("total", 0))
+    need = worst.peak.get("total", 0)
+    if need > limit:
+        p = worst.peak
+
+        def size(n: float) -> str:
+            return f"{n / GIB:.1f} GiB" if n >= GIB else f"{n / MIB:.1f} MiB"
+
+        raise ConfigError(
+            f"rank {worst.rank} of {sim.layout.describe()} needs {size(need)} at its peak (weights "
+            f"{size(p.get('param', 0))}, gradients {size(p.get('grad', 0))}, optimizer {size(p.get('optim', 0))}, "
+            f"activations {size(p.get('act', 0) + p.get('temp', 0))}), more than the device's {size(limit)}; shard "
+            "more ([parallel] dp_shard, tp or pp), or set train.activation_checkpointing=true or a smaller "
+            "train.batch_size")

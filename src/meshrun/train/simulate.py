@@ -8,7 +8,9 @@ For each representative rank the build a launch would do runs here, for real: th
 (`resolve_layout`, the same one-line refusals as a launch), the DeviceMesh of the whole world,
 `build_layout` (pp split, TP, activation checkpointing, FSDP/HSDP, context parallel, DDP), the
 run's optimizer, and one training step (`layout_step`: micro-batches, the pipeline schedule,
-the loss, clipping, the optimizer step). Two things of torch make that possible on a laptop:
+the loss, clipping, the optimizer step) with the optimizer's state already there, as in every
+step but the first, and its peak memory (torch's `MemTracker`, through
+`meshrun.plan.measure.PeakMemory`). Two things of torch make that possible on a laptop:
 - its fake process group (backend "fake", `torch.testing._internal.distributed.fake_pg`): this
   process is rank r of N and every collective returns at once, moving nothing;
 - `FakeTensorMode`: the weights, activations and optimizer state have shapes, dtypes and devices
@@ -18,8 +20,7 @@ So the bytes below are those of the real local shards, and the collectives are t
 step issued (`meshrun.plan.measure.Collectives`), named by their mesh dimension.
 
 Not yet: pipeline stages (torch's schedule reads a tensor value at its first step: the P2P
-warm-up vote, `result.item()` in schedules.py `_warmup_p2p`), refused in one line; peak memory
-and projected time.
+warm-up vote, `result.item()` in schedules.py `_warmup_p2p`), refused in one line.
 
 Representative ranks: shapes differ only by pipeline stage and by the last shard of an uneven
 split, so each stage is simulated at its first rank and at the rank with the last dp_shard, cp
@@ -62,6 +63,9 @@ class RankSimulation:
     grads: int
     optim: int
     collectives: tuple[CollectiveUse, ...] = field(default_factory=tuple)
+    peak: dict[str, int] = field(default_factory=dict)
+    """The most tensor bytes held at once in a step, by category (param, buffer, grad, act,
+    temp, optim) and "total" (`meshrun.plan.measure.PeakMemory`); empty where not measured."""
 
     @property
     def state(self) -> int:
@@ -129,7 +133,7 @@ def simulate_rank(build_model: Callable[[], nn.Module], layout: ResolvedLayout, 
     )
 
     from meshrun.parallel.layout import build_layout
-    from meshrun.plan.measure import Collectives
+    from meshrun.plan.measure import Collectives, PeakMemory, prime_optimizer_state
     from meshrun.train.step import layout_step
 
     if dist.is_initialized():
@@ -152,9 +156,10 @@ def simulate_rank(build_model: Callable[[], nn.Module], layout: ResolvedLayout, 
                 while True:
                     yield tokens, tokens
 
-            with Collectives() as comms:
+            prime_optimizer_state(optimizers)  # the step below holds the optimizer state, as every step but the first
+            with PeakMemory(built.parts, optimizers) as memory, Collectives() as comms:
                 layout_step(built, optimizers, batches(), grad_accum=grad_accum, dtype=dtype, grad_clip=grad_clip)
-        return rank_usage(built, optimizers, comms, groups)
+        return rank_usage(built, optimizers, comms, groups, peak=memory.peak)
     finally:
         dist.destroy_process_group()
 
@@ -171,10 +176,11 @@ def _all_reduce_hook(group, bucket):  # noqa: ANN202 - DDP refuses a string anno
     return future
 
 
-def rank_usage(built, optimizers: list[torch.optim.Optimizer], comms, groups: dict[str, str] | None = None
-               ) -> RankSimulation:
+def rank_usage(built, optimizers: list[torch.optim.Optimizer], comms, groups: dict[str, str] | None = None,
+               peak: dict[str, int] | None = None) -> RankSimulation:
     """This rank's bytes and collectives after a step of `built` (a BuiltLayout) recorded by
-    `comms` (a `Collectives`): what `simulate_rank` reports, and what a real run measures the same way."""
+    `comms` (a `Collectives`), and `peak` (a `PeakMemory`'s): what `simulate_rank` reports, and
+    what a real run measures the same way."""
     import torch.distributed as dist
 
     from meshrun.parallel.dims import MESH_AXES
@@ -189,7 +195,7 @@ def rank_usage(built, optimizers: list[torch.optim.Optimizer], comms, groups: di
     uses = tuple(CollectiveUse(kind, groups.get(group, group or "?"), count, nbytes)
                  for (kind, group), (count, nbytes) in sorted(comms.records.items()))
     return RankSimulation(dist.get_rank() if dist.is_initialized() else 0, coords, local_bytes(params),
-                          local_bytes(p for p in params if p.requires_grad), local_bytes(states), uses)
+                          local_bytes(p for p in params if p.requires_grad), local_bytes(states), uses, dict(peak or {}))
 
 
 RANK_TIMEOUT_S = 900.0
