@@ -235,6 +235,7 @@ def test_size_param_counts():
     assert 110e6 < get_size("base").num_params() < 140e6
     assert get_size("1b").num_params() == pytest.approx(1.236e9, rel=0.01)  # Llama-3.2-1B
     assert get_size("8b").num_params() == pytest.approx(8.03e9, rel=0.01)  # Llama-3-8B
+    assert get_size("70b").num_params() == pytest.approx(70.55e9, rel=0.01)  # Llama-3.1-70B
 
 
 def test_unknown_size_suggests():

@@ -45,7 +45,7 @@ class ModelSection(Section):
     """The network: a named size, optionally overridden field by field."""
 
     section = "model"
-    name: str = doc_field("tiny", "Named size: 'tiny', 'tiny-moe' (tiny with 4 experts, top 2, 1 shared), 'small', 'base', '1b' or '8b'; the size fields below override it.")
+    name: str = doc_field("tiny", "Named size: 'tiny', 'tiny-moe' (tiny with 4 experts, top 2, 1 shared), 'small', 'base', '1b', '8b' or '70b' (for planning); the size fields below override it.")
     factory: str = doc_field("", "'' = the built-in Llama-style decoder; 'pkg.module:fn' = your fn(model_cfg, vocab_size) or fn() returns the nn.Module.")
     vocab_size: int = doc_field(0, "Vocabulary size, at least the tokenizer's; 0 = the tokenizer's (byte: 256 + special tokens).")
     dim: int = doc_field(0, "Width of the residual stream (embedding size); 0 = the named size's.")

@@ -102,6 +102,19 @@ SIZES: dict[str, dict[str, Any]] = {
         rope_theta=500000.0,
         norm_eps=1e-5,
     ),
+    # Llama-3.1-70B shapes (70.6B), for planning (meshrun plan --simulate) more than for this machine.
+    "70b": dict(
+        vocab_size=LLAMA3_VOCAB,
+        dim=8192,
+        n_layers=80,
+        n_heads=64,
+        n_kv_heads=8,
+        ffn_hidden=28672,
+        max_seq_len=8192,
+        tie_embeddings=False,
+        rope_theta=500000.0,
+        norm_eps=1e-5,
+    ),
 }
 
 DEFAULT_SIZE = "tiny"
@@ -119,5 +132,5 @@ def size_spec(name: str, *, key: str = "model.name") -> dict[str, Any]:
 
 
 def get_size(name: str, *, key: str = "model.name") -> ModelArgs:
-    """The ModelArgs of a named size: one of ``tiny``, ``tiny-moe``, ``small``, ``base``, ``1b``, ``8b``."""
+    """The ModelArgs of a named size: one of ``tiny``, ``tiny-moe``, ``small``, ``base``, ``1b``, ``8b``, ``70b``."""
     return ModelArgs(**size_spec(name, key=key))
