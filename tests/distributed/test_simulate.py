@@ -183,7 +183,8 @@ def test_meshrun_plan_simulate_reports_each_representative_rank(tmp_path):
 
 def test_layouts_that_fail_only_at_size_are_refused_as_the_launch_refuses_them(tmp_path):
     """TP 16 over tiny's 4 heads: the simulation's line is the launch's (both before anything starts);
-    a rank whose simulated peak is over the device's memory: one line naming the rank and the parts."""
+    a rank whose weights, gradients and optimizer state are over the device's memory: one line naming
+    the rank and the parts."""
     from conftest import EXAMPLES, meshrun
 
     tiny = str(EXAMPLES / "configs" / "tiny.toml")
@@ -198,5 +199,5 @@ def test_layouts_that_fail_only_at_size_are_refused_as_the_launch_refuses_them(t
                    timeout=120, cwd=tmp_path)
     assert over.returncode == 2, over.output
     last = over.stderr.strip().splitlines()
-    assert len(last) == 1 and last[0].startswith("meshrun plan: error: rank 0 of ddp: dp_replicate 2 (world 2) needs "), last
-    assert "more than the device's 1.0 MiB; shard more" in last[0], last[0]
+    assert len(last) == 1 and last[0].startswith("meshrun plan: error: rank 0 of ddp: dp_replicate 2 (world 2) holds "), last
+    assert "of weights, gradients and optimizer state" in last[0] and "more than the device's 1.0 MiB; shard more" in last[0], last[0]

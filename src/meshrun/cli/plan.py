@@ -12,6 +12,7 @@ module parses arguments and formats.
 from __future__ import annotations
 
 import argparse
+import sys
 from dataclasses import replace
 from math import prod
 
@@ -35,7 +36,8 @@ bytes held in a step with the optimizer state there (torch's MemTracker), collec
 mesh dimension (count and this rank's input bytes per step). Pipeline layouts are not simulated
 yet. With --device: the projected step time, tokens/s per GPU and MFU (meshrun.plan.project:
 compute at --compute-efficiency of the dense peak, data-parallel traffic overlapped, TP and
-context-parallel traffic added), and a rank over the device's memory is refused.
+context-parallel traffic added); a rank whose weights, gradients and optimizer state are over
+the device's memory is refused, and one whose simulated peak is over it is warned about.
 
 examples:
   meshrun plan --model 8b --world 64 --device-memory 80 --batch-size 1 --seq-len 8192
@@ -63,7 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("config", nargs="?", help="TOML config; omitted = the defaults")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
-    p.add_argument("--model", help="named size (tiny, small, base, 1b, 8b); default: the config's model")
+    p.add_argument("--model", help="named size (tiny, tiny-moe, small, base, 1b, 8b, 70b); default: the config's model")
     p.add_argument("--world", type=int, default=None,
                    help="total ranks; default for --show: the product of the config's degrees")
     p.add_argument("--device-memory", type=_gib, default=None, metavar="GIB",
@@ -92,12 +94,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="--simulate: print the result as JSON")
     p.add_argument("--device", default=None, metavar="NAME",
                    help="--simulate: project step time, tokens/s and MFU on this device (a100, h100, h200, b200), "
-                        "and refuse a rank whose peak memory is over its memory (or --device-memory)")
+                        "and refuse a rank whose weights, gradients and optimizer state are over its memory "
+                        "(or --device-memory)")
     p.add_argument("--inter-node-gbps", type=float, default=400.0, metavar="GBITS",
                    help="--simulate --device: network bandwidth per GPU between nodes, Gb/s (default 400)")
     p.add_argument("--compute-efficiency", type=float, default=None, metavar="FRACTION",
-                   help="--simulate --device: share of the dense peak the model's FLOPs run at "
-                        "(default 0.40, eager bf16 training of a large decoder)")
+                   help="--simulate --device: share of the dense peak the model's FLOPs run at (default: "
+                        "the device's, from published eager training: h100 0.40, a100 0.60)")
     p.add_argument("--show", action="store_true",
                    help="print each parameter's placements and local shape per rank for the "
                         "config's [parallel] layout instead")
@@ -280,7 +283,7 @@ def _simulate(cfg, a) -> int:
                 "inter_node_gbps": projection.inter_node_gbps, "compute_s": projection.compute_s,
                 "comm_s": projection.comm_s, "exposed_s": projection.exposed_s, "step_s": projection.step_s,
                 "tokens_per_s_per_gpu": projection.tokens_per_s_per_gpu, "mfu": projection.mfu}}, indent=1))
-        _check_peak(sim, limit)
+        _check_memory(sim, limit)
         return 0
     unit_name, unit = ("GiB", GIB) if max(r.peak.get("total", r.state) for r in sim.ranks) >= GIB else ("MiB", MIB)
     print(f"simulated {world} ranks ({sim.layout.describe()}) in {sim.seconds:.1f} s: "
@@ -296,13 +299,16 @@ def _simulate(cfg, a) -> int:
     print(f"{unit_name} per rank:")
     for row in [cols, *rows]:
         print("  ".join(c.rjust(w) for c, w in zip(row, widths, strict=True)))
+    if any(f"params {d}" in sim.layout.describe() for d in ("bf16", "fp16")):
+        print("note: under mixed precision the simulated peak is too high (it counts up to the whole model's fp32 "
+              "size that a real step does not hold; cause not found yet); params, grads and optim are exact")
     print("\ncollectives per step (count, MiB of this rank's inputs):")
     for r in sim.ranks:
         uses = ", ".join(f"{c.kind} over {c.dim}: {c.count} x, {c.bytes / MIB:.1f}" for c in r.collectives)
         print(f"  rank {r.rank}: {uses or 'none'}")
     if projection is not None:
         print("\n" + projection.describe())
-    _check_peak(sim, limit)
+    _check_memory(sim, limit)
     return 0
 
 
@@ -311,7 +317,7 @@ def _project(cfg, a, sim, per_node: int):
     whose FLOPs per token meshrun does not know (an HF model)."""
     from meshrun.models.args import flops_per_token
     from meshrun.models.from_config import model_args_from_config
-    from meshrun.plan.project import DEFAULT_EFFICIENCY, project
+    from meshrun.plan.project import project
 
     if cfg.model.hf:
         print("note: no projection for model.hf (FLOPs per token are known for the built-in decoder only)")
@@ -319,25 +325,33 @@ def _project(cfg, a, sim, per_node: int):
     args = model_args_from_config(cfg.model)
     return project(sim, flops_per_token=flops_per_token(args, cfg.data.seq_len), seq_len=cfg.data.seq_len,
                    nproc_per_node=per_node, device_name=a.device, inter_node_gbps=a.inter_node_gbps,
-                   efficiency=a.compute_efficiency or DEFAULT_EFFICIENCY, dtype=cfg.train.dtype,
+                   efficiency=a.compute_efficiency, dtype=cfg.train.dtype,
                    activation_checkpointing=bool(cfg.train.activation_checkpointing))
 
 
-def _check_peak(sim, limit: float | None) -> None:
-    """Refuse, as a launch would run out of memory: a rank whose simulated peak is over the device's."""
+def _check_memory(sim, limit: float | None) -> None:
+    """Refuse, as the launch would run out of memory, a rank whose weights, gradients and optimizer
+    state (exact: the real local shards) are over the device's memory; warn when its simulated peak
+    is. The peak is not a refusal: under mixed precision (bf16 params) the simulated peak counts
+    tensors a real step does not hold (measured on tiny: +25%; on 8B and 70B, even under TP 8, the
+    peak activations come out at the whole model's fp32 size), a gap of the simulation whose cause
+    is not found yet."""
     if limit is None:
         return
-    worst = max(sim.ranks, key=lambda r: r.peak.get("total", 0))
-    need = worst.peak.get("total", 0)
-    if need > limit:
-        p = worst.peak
 
-        def size(n: float) -> str:
-            return f"{n / GIB:.1f} GiB" if n >= GIB else f"{n / MIB:.1f} MiB"
+    def size(n: float) -> str:
+        return f"{n / GIB:.1f} GiB" if n >= GIB else f"{n / MIB:.1f} MiB"
 
+    worst = max(sim.ranks, key=lambda r: r.state)
+    if worst.state > limit:
         raise ConfigError(
-            f"rank {worst.rank} of {sim.layout.describe()} needs {size(need)} at its peak (weights "
-            f"{size(p.get('param', 0))}, gradients {size(p.get('grad', 0))}, optimizer {size(p.get('optim', 0))}, "
-            f"activations {size(p.get('act', 0) + p.get('temp', 0))}), more than the device's {size(limit)}; shard "
-            "more ([parallel] dp_shard, tp or pp), or set train.activation_checkpointing=true or a smaller "
-            "train.batch_size")
+            f"rank {worst.rank} of {sim.layout.describe()} holds {size(worst.state)} of weights, gradients and "
+            f"optimizer state ({size(worst.params)} + {size(worst.grads)} + {size(worst.optim)}) before any "
+            f"activation, more than the device's {size(limit)}; shard more ([parallel] dp_shard, tp or pp) or use "
+            "more ranks")
+    peak = max(sim.ranks, key=lambda r: r.peak.get("total", 0))
+    if peak.peak.get("total", 0) > limit:
+        mixed = "params bf16" in sim.layout.describe() or "params fp16" in sim.layout.describe()
+        print(f"warning: rank {peak.rank}'s simulated peak, {size(peak.peak['total'])}, is over the device's "
+              f"{size(limit)}" + (" (under mixed precision the simulated peak is known to be too high)"
+                                   if mixed else ""), file=sys.stderr)

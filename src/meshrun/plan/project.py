@@ -7,7 +7,8 @@ its collectives per step (kind, mesh dimension, bytes), and the model's FLOPs pe
 - compute: the step's model FLOPs on this rank (FLOPs per token x the global batch's tokens / the
   world; activation checkpointing adds one more forward, 2 of the 6 N) over the device's dense
   peak times `efficiency`, the share of peak that eager training reaches on large decoders (a
-  stated assumption, not a measurement: `--compute-efficiency`, 0.40 by default);
+  stated assumption, not a measurement: `--compute-efficiency`, by default the device's, see
+  DEVICES);
 - communication: each collective's bytes on the wire (ring algorithms: an all-gather sends
   n - 1 shards, a reduce-scatter and an all-to-all (n - 1) / n of their input, an all-reduce twice
   that) over the bandwidth of its group: the device's NVLink within a node, `--inter-node-gbps`
@@ -34,20 +35,22 @@ class Device:
     fp32_tflops: float  # dense fp32 without TF32 (meshrun's fp32 is real fp32)
     memory_gib: float
     nvlink_gbps: float  # GB/s per GPU, one direction, to the other GPUs of its node
+    efficiency: float  # the default --compute-efficiency: the share of the peak eager training reaches
     source: str
 
 
-# NVIDIA's datasheets (SXM parts; NVLink's bidirectional figure halved).
+# Peaks, memory and NVLink: NVIDIA's datasheets (SXM parts; NVLink's bidirectional figure halved).
+# Efficiency, an assumption stated with every projection: the model FLOPs share of the dense bf16
+# peak that eager (uncompiled) bf16 FSDP training of Llama-class models reached as published by
+# torchtitan: H100 33-39% MFU (Llama 3.1 8B, benchmarks/llama3_h100_202412_torchtitan.md) -> 0.40 of
+# peak before activation recomputation; A100 50-58% (Llama 3 8B and 70B on 64 A100s,
+# docs/performance.md) -> 0.60. H200 and B200: the H100's figure, unmeasured.
 DEVICES: dict[str, Device] = {
-    "a100": Device("A100 SXM4 80GB", 312.0, 19.5, 80.0, 300.0, "NVIDIA A100 datasheet"),
-    "h100": Device("H100 SXM5 80GB", 989.0, 67.0, 80.0, 450.0, "NVIDIA H100 datasheet"),
-    "h200": Device("H200 SXM 141GB", 989.0, 67.0, 141.0, 450.0, "NVIDIA H200 datasheet"),
-    "b200": Device("B200 180GB", 2250.0, 75.0, 180.0, 900.0, "NVIDIA HGX B200 datasheet"),
+    "a100": Device("A100 SXM4 80GB", 312.0, 19.5, 80.0, 300.0, 0.60, "NVIDIA A100 datasheet"),
+    "h100": Device("H100 SXM5 80GB", 989.0, 67.0, 80.0, 450.0, 0.40, "NVIDIA H100 datasheet"),
+    "h200": Device("H200 SXM 141GB", 989.0, 67.0, 141.0, 450.0, 0.40, "NVIDIA H200 datasheet"),
+    "b200": Device("B200 180GB", 2250.0, 75.0, 180.0, 900.0, 0.40, "NVIDIA HGX B200 datasheet"),
 }
-
-DEFAULT_EFFICIENCY = 0.40
-"""Share of the dense peak that eager bf16 training of a large decoder reaches (torchtitan reports
-33-39% MFU for Llama 3.1 8B on H100 without float8): an assumption, stated with every projection."""
 
 OVERLAPPED = ("dp", "dp_shard", "dp_replicate", "dp_shard_cp", "world")
 """Mesh dimensions whose traffic overlaps compute (data parallel)."""
@@ -131,14 +134,15 @@ class Projection:
 
 
 def project(sim, *, flops_per_token: int, seq_len: int, nproc_per_node: int, device_name: str = "h100",
-            inter_node_gbps: float = 400.0, efficiency: float = DEFAULT_EFFICIENCY, dtype: str = "bf16",
+            inter_node_gbps: float = 400.0, efficiency: float | None = None, dtype: str = "bf16",
             activation_checkpointing: bool = False) -> Projection:
     """The projected step of `sim` (a `meshrun.train.simulate.Simulation`)."""
+    dev = device(device_name)
+    efficiency = dev.efficiency if efficiency is None else efficiency
     if not 0 < efficiency <= 1:
         raise ConfigError(f"--compute-efficiency must be in (0, 1], got {efficiency:g}")
     if inter_node_gbps <= 0:
         raise ConfigError(f"--inter-node-gbps must be > 0, got {inter_node_gbps:g}")
-    dev = device(device_name)
     layout = sim.layout
     dims = layout.dims
     options = layout.options
