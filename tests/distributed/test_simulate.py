@@ -201,3 +201,27 @@ def test_layouts_that_fail_only_at_size_are_refused_as_the_launch_refuses_them(t
     last = over.stderr.strip().splitlines()
     assert len(last) == 1 and last[0].startswith("meshrun plan: error: rank 0 of ddp: dp_replicate 2 (world 2) holds "), last
     assert "of weights, gradients and optimizer state" in last[0] and "more than the device's 1.0 MiB; shard more" in last[0], last[0]
+
+
+def test_train_dry_run_is_the_simulation_of_the_launch_it_would_start(tmp_path):
+    """`meshrun train CONFIG --dry-run` with the launch's flags: `meshrun plan --simulate` at that
+    world, the same report; nothing launched, no run directory. Its projection flags need --dry-run."""
+    from conftest import EXAMPLES, meshrun
+
+    tiny = str(EXAMPLES / "configs" / "tiny.toml")
+    sets = ("--set", "parallel.strategy=fsdp", "--set", "parallel.tp=2")
+    dry = meshrun("train", tiny, "--dry-run", "--nnodes", "2", "--nproc-per-node", "4", "--max-restarts", "3", *sets,
+                  "--device", "h100", timeout=120, cwd=tmp_path)
+    plan = meshrun("plan", tiny, "--simulate", "--nnodes", "2", "--nproc-per-node", "4", *sets, "--device", "h100",
+                   timeout=120, cwd=tmp_path)
+    assert dry.returncode == plan.returncode == 0, (dry.output, plan.output)
+
+    def report(out: str) -> list[str]:  # the simulation's own seconds differ run to run
+        return [line.split(" in ")[0] if line.startswith("simulated ") else line for line in out.splitlines()]
+
+    assert report(dry.stdout) == report(plan.stdout), (dry.stdout, plan.stdout)
+    assert dry.stdout.startswith("simulated 8 ranks (fsdp: dp_shard 4 x tp 2 (world 8)"), dry.stdout
+    assert list(tmp_path.iterdir()) == [], list(tmp_path.iterdir())  # no runs/, no logs
+    refused = meshrun("train", tiny, "--device", "h100", timeout=60, cwd=tmp_path)
+    assert refused.returncode == 2 and refused.stderr.strip().splitlines() == [
+        "meshrun train: error: --device needs --dry-run: it sizes a projection, not a run"], refused.output

@@ -95,6 +95,17 @@ def build_parser() -> argparse.ArgumentParser:
                              "(--resume PATH/never: later checkpoints are renamed *.abandoned-<session>), "
                              "resume a run beyond a lower train.steps, or continue it with other settings "
                              "(the old config.toml is kept). Without it such a start is refused (exit 2)")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="launch nothing: build the config's real layout at the launch's world size (--nnodes x "
+                             "--nproc-per-node, or [launch]) and run one training step per representative rank "
+                             "under torch's fake process group and fake tensors, then print what each rank holds "
+                             "and sends, as `meshrun plan CONFIG --simulate` does (docs/plan.md)")
+    parser.add_argument("--device", metavar="NAME",
+                        help="--dry-run: project step time, tokens/s and MFU on this GPU (a100, h100, h200, b200)")
+    parser.add_argument("--inter-node-gbps", type=float, metavar="GBITS",
+                        help="--dry-run --device: network bandwidth per GPU between nodes, Gb/s (default 400)")
+    parser.add_argument("--compute-efficiency", type=float, metavar="FRACTION",
+                        help="--dry-run --device: share of the dense peak the model's FLOPs run at")
     parser.add_argument("--profile", metavar="STEPS",
                         help="record torch.profiler traces of these training steps on every rank: FIRST:LAST "
                              "(both included, e.g. 10:12) or one step (5); Chrome traces go to "
@@ -175,6 +186,9 @@ def check_train_args(argv: list[str]) -> tuple[argparse.Namespace, JobConfig, ar
         cfg = dataclasses.replace(cfg, checkpoint=dataclasses.replace(cfg.checkpoint, resume=resume))
     if args.profile is not None:
         parse_steps(args.profile, cfg.train.steps)  # one line and exit 2 before anything starts
+    for key in _DRY_RUN_ONLY:
+        if getattr(args, key) is not None:
+            raise ConfigError(f"--{key.replace('_', '-')} needs --dry-run: it sizes a projection, not a run")
     from_config = _launch_argv_from_config(cfg, cli_launch)
     try:
         launch_args = build_launch_parser().parse_args(from_config + cli_launch + ["-m", "meshrun.train.worker"])
@@ -185,7 +199,40 @@ def check_train_args(argv: list[str]) -> tuple[argparse.Namespace, JobConfig, ar
     return args, cfg, launch_args, options
 
 
+_DRY_RUN_ONLY = ("device", "inter_node_gbps", "compute_efficiency")
+
+
+def dry_run(argv: list[str]) -> int:
+    """`meshrun train ... --dry-run`: the same command line checked as a launch would check it, then
+    `meshrun plan CONFIG --simulate` at the launch's world (meshrun.cli.plan; nothing is launched,
+    no run directory is made). Launch options other than the world's are accepted and unused."""
+    from meshrun.cli import plan as plan_cli
+    from meshrun.train.preflight import launch_ranks
+
+    cli_launch, rest = split_launch_args(argv)
+    parser = build_parser()
+    check_unknown_flags(parser, rest)
+    args = parser.parse_args(rest)
+    launch = build_launch_parser().parse_args(cli_launch + ["-m", "meshrun.train.worker"])
+    cfg = load_config(args.config, args.overrides) if args.config is None or os.path.isfile(args.config) else None
+    if cfg is None:
+        raise ConfigError(f"config file {shown(args.config)} not found; see examples/configs/ for examples")
+    given = {token.split("=", 1)[0] for token in cli_launch}
+    nproc = launch.nproc_per_node if "--nproc-per-node" in given or "--nproc_per_node" in given \
+        else str(cfg.launch.nproc_per_node)
+    nnodes = launch.nnodes if "--nnodes" in given else str(cfg.launch.nnodes)
+    per_node, world = launch_ranks(nproc, nnodes)
+    plan_argv = [*([args.config] if args.config else []), *(f"--set={o}" for o in args.overrides), "--simulate",
+                 "--nnodes", str(world // per_node), "--nproc-per-node", str(per_node)]
+    for key in _DRY_RUN_ONLY:
+        if getattr(args, key) is not None:
+            plan_argv += [f"--{key.replace('_', '-')}", str(getattr(args, key))]
+    return plan_cli.main(plan_argv)
+
+
 def main(argv: list[str]) -> int:
+    if "--dry-run" in argv[: argv.index("--") if "--" in argv else len(argv)]:
+        return dry_run(argv)
     with one_thread_torch():  # so that the workers' server can be forked from here (launch/preload.py)
         args, cfg, launch_args, options = check_train_args(argv)
         from meshrun.launch.launcher import check_log_dir, run_spec  # torch from here on

@@ -191,7 +191,7 @@ def check_memory(cfg: JobConfig, *, nproc_per_node: str, nnodes: str) -> None:
         args = model_args_from_config(cfg.model, _vocab_size(cfg))
     except MeshrunError as exc:
         raise ConfigError(str(exc)) from None
-    local, world = _ranks(nproc_per_node, nnodes)
+    local, world = launch_ranks(nproc_per_node, nnodes)
     available = machine_memory()
     # Lower bound for any layout: params + grads + AdamW's two moments (16 bytes each), spread
     # over every rank of the job, this node holding its share.
@@ -218,8 +218,9 @@ def _vocab_size(cfg: JobConfig) -> int | None:
     return None if cfg.model.vocab_size else 256
 
 
-def _ranks(nproc_per_node: str, nnodes: str) -> tuple[int, int]:
-    """(ranks on this node, ranks in the job) as far as known without torch."""
+def launch_ranks(nproc_per_node: str, nnodes: str) -> tuple[int, int]:
+    """(ranks on this node, ranks in the job) as far as known without torch: an elastic MIN:MAX
+    node count at its MAX, `auto` as this machine's."""
     text = str(nproc_per_node).strip()
     local = int(text) if text.isdigit() else auto_nproc_per_node(import_torch=False)
     return local, local * parse_nnodes(nnodes)[1]
