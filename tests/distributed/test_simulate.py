@@ -225,3 +225,22 @@ def test_train_dry_run_is_the_simulation_of_the_launch_it_would_start(tmp_path):
     refused = meshrun("train", tiny, "--device", "h100", timeout=60, cwd=tmp_path)
     assert refused.returncode == 2 and refused.stderr.strip().splitlines() == [
         "meshrun train: error: --device needs --dry-run: it sizes a projection, not a run"], refused.output
+
+
+def test_compare_simulates_the_best_layouts_and_ranks_them(tmp_path):
+    """--compare: the planner's best layouts of the world, each simulated; ranked by fitting state,
+    then projected tokens/s per GPU; the pipeline layouts the simulation cannot run are named, not hidden."""
+    from conftest import EXAMPLES, meshrun
+
+    out = meshrun("plan", str(EXAMPLES / "configs" / "tiny.toml"), "--simulate", "--compare", "--world", "4",
+                  "--device", "h100", timeout=180, cwd=tmp_path)
+    assert out.returncode == 0, out.output
+    lines = out.stdout.splitlines()
+    assert lines[0].startswith("compared 5 layouts of 4 ranks"), out.stdout
+    rows = [line.split() for line in lines[2:7]]
+    tokens = [float(r[-3].replace(",", "")) for r in rows]
+    assert tokens == sorted(tokens, reverse=True), rows
+    assert all(r[-1] == "yes" for r in rows), rows
+    assert any(line.startswith("not simulated: dp_replicate=2 dp_shard=1 tp=1 pp=2: --simulate runs no pipeline")
+               for line in lines), out.stdout
+    assert "[parallel]" in out.stdout and "Traceback" not in out.output, out.output

@@ -42,6 +42,7 @@ the device's memory is refused, and one whose simulated peak is over it is warne
 examples:
   meshrun plan --model 8b --world 64 --device-memory 80 --batch-size 1 --seq-len 8192
   meshrun plan examples/configs/gpu-8b.toml --simulate --nnodes 128 --nproc-per-node 8 --device h100
+  meshrun plan examples/configs/gpu-8b.toml --simulate --compare --nnodes 4 --nproc-per-node 8 --device h100
   meshrun plan --model tiny --world 4 --activation-checkpointing
   meshrun plan --model 1b --world 8 --seq-len 32768 --context-parallel --device-memory 80
   meshrun plan --show my.toml --world 4 --set parallel.strategy=fsdp --set parallel.tp=2
@@ -81,8 +82,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--context-parallel", action="store_true", default=None,
                    help="also rank layouts that split each sequence over cp ranks (default: when the "
                         "config's parallel.cp > 1)")
-    p.add_argument("--top", type=positive_int, default=12,
-                   help="rows of the table to print (default 12)")
+    p.add_argument("--top", type=positive_int, default=None,
+                   help="rows of the table to print (default 12); with --compare, layouts to simulate (default 6)")
     p.add_argument("--simulate", action="store_true",
                    help="build the config's real layout at full world size and run one training step, "
                         "one representative rank at a time, under torch's fake process group and fake "
@@ -92,6 +93,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--nproc-per-node", type=positive_int, default=None,
                    help="--simulate: ranks per node (default: --world, or launch.nproc_per_node)")
     p.add_argument("--json", action="store_true", help="--simulate: print the result as JSON")
+    p.add_argument("--compare", action="store_true",
+                   help="--simulate: simulate the planner's best --top layouts (default 6) of the world instead of "
+                        "the config's, and rank them: those whose state fits the device first, then by projected "
+                        "tokens/s per GPU (with --device), else by peak memory")
     p.add_argument("--device", default=None, metavar="NAME",
                    help="--simulate: project step time, tokens/s and MFU on this device (a100, h100, h200, b200), "
                         "and refuse a rank whose weights, gradients and optimizer state are over its memory "
@@ -223,7 +228,7 @@ def main(argv: list[str]) -> int:
           + (f"   device memory: {a.device_memory:g} GiB" if limit else ""))
     unit_name, unit = table_unit(plan)
     print(f"{unit_name} per rank, {len(plan.ranked)} layouts, best first:")
-    print(format_table(plan, a.top))
+    print(format_table(plan, a.top or 12))
     print(_config_line(cfg, plan, args, a.world, batch, seq))
     best = plan.recommended
     if best.fits is False:
@@ -270,6 +275,8 @@ def _simulate(cfg, a) -> int:
         raise ConfigError("--compute-efficiency needs --device NAME: the device the projection is for")
     dev = known_device(a.device) if a.device else None  # an unknown name is refused before the simulation
     world, per_node = _simulate_world(cfg, a)
+    if a.compare:
+        return _compare(cfg, a, world, per_node, dev)
     sim = simulate(cfg, world)
     projection = _project(cfg, a, sim, per_node) if dev else None
     limit = a.device_memory * GIB if a.device_memory else dev.memory_gib * GIB if dev else None
@@ -309,6 +316,65 @@ def _simulate(cfg, a) -> int:
     if projection is not None:
         print("\n" + projection.describe())
     _check_memory(sim, limit)
+    return 0
+
+
+def _compare(cfg, a, world: int, per_node: int, dev) -> int:
+    """--simulate --compare: the planner's best layouts of `world` (meshrun.plan.memory.candidates),
+    each simulated as the config with that [parallel] layout, then ranked."""
+    from dataclasses import replace as with_fields
+
+    from meshrun.errors import MeshrunError
+    from meshrun.models.from_config import model_args_from_config
+    from meshrun.plan.project import seconds_text
+    from meshrun.train.simulate import simulate
+
+    if a.json:
+        raise ConfigError("--compare prints a table; --json is for one layout (drop --compare)")
+    limit = a.device_memory * GIB if a.device_memory else dev.memory_gib * GIB if dev else None
+    args = model_args_from_config(cfg.model)
+    plan = candidates(args, world_size=world, batch_size=cfg.train.batch_size, seq_len=cfg.data.seq_len,
+                      dtype=cfg.train.dtype, activation_checkpointing=cfg.train.activation_checkpointing,
+                      context_parallel=cfg.parallel.cp != 1)
+    rows, skipped = [], []
+    for est in plan.ranked[:a.top or 6]:
+        d = est.dims
+        strategy = "fsdp" if d.dp_shard > 1 or d.cp > 1 or d.tp > 1 or d.pp > 1 else "ddp"
+        parallel = with_fields(cfg.parallel, strategy=strategy, dp_replicate=d.dp_replicate, dp_shard=d.dp_shard,
+                               cp=d.cp, tp=d.tp, pp=d.pp)
+        candidate = with_fields(cfg, parallel=parallel)
+        try:
+            sim = simulate(candidate, world)
+        except MeshrunError as exc:
+            skipped.append(f"{est.layout}: {' '.join(str(exc).split())}")
+            continue
+        state = max(r.state for r in sim.ranks)
+        peak = max(r.peak.get("total", 0) for r in sim.ranks)
+        projection = _project(candidate, a, sim, per_node) if dev else None
+        fits = None if limit is None else state <= limit
+        rows.append((est, sim, state, peak, projection, fits))
+    if not rows:
+        raise ConfigError(f"--compare: none of the {len(skipped)} best layouts could be simulated: {skipped[0]}")
+    # fits first; then the most tokens per second per GPU (a layout with less data parallelism has a
+    # smaller global batch, so its shorter step is not faster training); else the least peak memory
+    rows.sort(key=lambda r: (r[5] is False, -r[4].tokens_per_s_per_gpu if r[4] else 0.0, r[3]))
+    unit_name, unit = ("GiB", GIB) if max(r[3] for r in rows) >= GIB else ("MiB", MIB)
+    print(f"compared {len(rows)} layouts of {world} ranks, each simulated (one training step per representative "
+          f"rank); {unit_name} per rank, best first:")
+    cols = ("#", "layout", "state", "peak", *(("step", "tokens/s/GPU", "MFU") if dev else ()), "fits")
+    table = []
+    for i, (est, _, state, peak, projection, fits) in enumerate(rows, 1):
+        fit = "-" if fits is None else "yes" if fits else "no"
+        projected = (seconds_text(projection.step_s), f"{projection.tokens_per_s_per_gpu:,.0f}",
+                     f"{projection.mfu:.1%}") if projection else ()
+        table.append((str(i), est.layout, _fmt(state, unit), _fmt(peak, unit), *projected, fit))
+    widths = [max(len(row[i]) for row in [cols, *table]) for i in range(len(cols))]
+    for row in [cols, *table]:
+        print("  ".join(c.rjust(w) for c, w in zip(row, widths, strict=True)))
+    for line in skipped:
+        print(f"not simulated: {line}")
+    print("\nbest: paste into your config:\n")
+    print(parallel_toml(rows[0][0]))
     return 0
 
 

@@ -56,7 +56,7 @@ OVERLAPPED = ("dp", "dp_shard", "dp_replicate", "dp_shard_cp", "world")
 """Mesh dimensions whose traffic overlaps compute (data parallel)."""
 
 
-def _time(seconds: float) -> str:
+def seconds_text(seconds: float) -> str:
     if seconds >= 1 or seconds == 0:
         return f"{seconds:.3g} s"
     return f"{seconds * 1e3:.3g} ms" if seconds >= 1e-3 else f"{seconds * 1e6:.3g} us"
@@ -123,11 +123,11 @@ class Projection:
     mfu: float
 
     def describe(self) -> str:
-        comm = ", ".join(f"{d} {_time(s)}" for d, s in sorted(self.comm_s.items())) or "none"
+        comm = ", ".join(f"{d} {seconds_text(s)}" for d, s in sorted(self.comm_s.items())) or "none"
         return (f"projected on {self.device.name} (compute at {self.efficiency:.0%} of {self.device_peak:.0f} TFLOPS, "
                 f"NVLink {self.device.nvlink_gbps:.0f} GB/s, inter-node {self.inter_node_gbps:g} Gb/s per GPU): "
-                f"step {_time(self.step_s)} = compute {_time(self.compute_s)} + exposed communication "
-                f"{_time(self.exposed_s)} (communication per step: {comm}); "
+                f"step {seconds_text(self.step_s)} = compute {seconds_text(self.compute_s)} + exposed communication "
+                f"{seconds_text(self.exposed_s)} (communication per step: {comm}); "
                 f"{self.tokens_per_s_per_gpu:,.0f} tokens/s per GPU, MFU {self.mfu:.1%}")
 
     device_peak: float = 0.0
