@@ -52,19 +52,25 @@ def fields_hint(names: list[str]) -> str:
     return f"(its fields: {shown or 'none'}); choose one with --text-field"
 
 
+def json_object_line(line: bytes, where: str) -> dict:
+    """One .jsonl line as its object; DataError naming `where` ("FILE line N") otherwise."""
+    try:
+        record = json.loads(line)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise DataError(f"{where} is not JSON ({exc}); a .jsonl file holds one JSON object per line") from None
+    if not isinstance(record, dict):
+        raise DataError(f"{where} is a JSON {type(record).__name__}, not an object; "
+                        "a .jsonl file holds one JSON object per line")
+    return record
+
+
 def parse_json_lines(lines: list[bytes], first_line: int, path: str, text_field: str) -> list[str]:
     """The `text_field` of each JSON object line; blank lines and empty/null texts are skipped."""
     texts = []
     for n, line in enumerate(lines, first_line):
         if not line.strip():
             continue
-        try:
-            record = json.loads(line)
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise DataError(f"{path} line {n} is not JSON ({exc}); a .jsonl file holds one JSON object per line") from None
-        if not isinstance(record, dict):
-            raise DataError(f"{path} line {n} is a JSON {type(record).__name__}, not an object; "
-                            "a .jsonl file holds one JSON object per line")
+        record = json_object_line(line, f"{path} line {n}")
         if text_field not in record:
             raise DataError(f"{path} line {n} has no field {text_field!r} {fields_hint(list(record))}")
         value = record[text_field]
@@ -163,14 +169,7 @@ class JsonLinesSource(Source):
                 if not line.strip():
                     continue
                 where = f"{self.path} line {n}"
-                try:
-                    record = json.loads(line)
-                except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-                    raise DataError(f"{where} is not JSON ({exc}); a .jsonl file holds one JSON object per line") from None
-                if not isinstance(record, dict):
-                    raise DataError(f"{where} is a JSON {type(record).__name__}, not an object; "
-                                    "a .jsonl file holds one JSON object per line")
-                yield where, record
+                yield where, json_object_line(line, where)
 
     def batches(self, source: int, text_field: str) -> Iterator[Batch]:
         lines: list[bytes] = []
