@@ -37,6 +37,7 @@ from collections.abc import Iterator
 from meshrun.config import JobConfig
 from meshrun.config.base import fmt
 from meshrun.config.fault_section import TORCHFT, is_torchft
+from meshrun.config.sections import MOE_COUNT_KEYS
 from meshrun.config.trackers import check_trackers_installed
 from meshrun.errors import ConfigError, MeshrunError
 from meshrun.extras import missing_extra_message
@@ -49,7 +50,8 @@ GIB = 2**30
 # so that only a model no machine of this size could hold is refused here.
 GPU_MEMORY_BOUND = 288 * GIB
 PLANNER_MAX_LAYERS = 4096  # deeper models: the closed-form lower bound only (the planner loops per block)
-SIZE_KEYS = ("name", "vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden", "max_seq_len")
+SIZE_KEYS = ("name", "vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden", "max_seq_len",
+             *MOE_COUNT_KEYS)  # the keys a too-large model's line names when set
 
 
 def check_before_torch(cfg: JobConfig, *, nproc_per_node: str = "auto", nnodes: str = "1") -> None:
