@@ -172,6 +172,10 @@ def test_meshrun_plan_simulate_reports_each_representative_rank(tmp_path):
                                                       "--nproc-per-node G (or --world N)"),
             (["--world", "2", "--device", "h1000"], "meshrun plan: error: --device 'h1000' is not a known device; "
                                                      "known: a100, h100, h200, b200"),
+            (["--world", "2", "--device", "h100", "--inter-node-gbps", "0"],
+             "meshrun plan: error: --inter-node-gbps must be > 0, got 0"),
+            (["--world", "2", "--compare", "--json"],
+             "meshrun plan: error: --compare prints a table; --json is for one layout (drop --compare)"),
             (["--world", "2", "--compute-efficiency", "0.5"],
              "meshrun plan: error: --compute-efficiency needs --device NAME: the device the projection is for"),
             (["--world", "2", "--set", "model.factory=mymodel:build"],

@@ -145,9 +145,14 @@ def format_table(plan: Plan, top: int) -> str:
     return "\n".join(lines)
 
 
+def strategy_of(d) -> str:
+    """The parallel.strategy a layout of these degrees needs: plain DDP only without sharding or splits."""
+    return "fsdp" if d.dp_shard > 1 or d.cp > 1 or d.tp > 1 or d.pp > 1 else "ddp"
+
+
 def parallel_toml(e: MemoryEstimate) -> str:
     d = e.dims
-    strategy = "fsdp" if d.dp_shard > 1 or d.cp > 1 or d.tp > 1 or d.pp > 1 else "ddp"
+    strategy = strategy_of(d)
     return "\n".join(["[parallel]", f'strategy = "{strategy}"', f"dp_replicate = {d.dp_replicate}",
                       f"dp_shard = {d.dp_shard}", *([f"cp = {d.cp}"] if d.cp > 1 else []), f"tp = {d.tp}",
                       f"pp = {d.pp}"])
@@ -269,11 +274,13 @@ def _simulate(cfg, a) -> int:
     if a.model:
         raise ConfigError("--model: --simulate builds the config's own model; set [model] in the config "
                           "(or --set model.name=SIZE)")
+    from meshrun.plan.project import check_inputs
     from meshrun.plan.project import device as known_device
 
     if a.compute_efficiency is not None and not a.device:
         raise ConfigError("--compute-efficiency needs --device NAME: the device the projection is for")
-    dev = known_device(a.device) if a.device else None  # an unknown name is refused before the simulation
+    dev = known_device(a.device) if a.device else None  # bad projection inputs are refused before the simulation
+    check_inputs(a.compute_efficiency, a.inter_node_gbps)
     world, per_node = _simulate_world(cfg, a)
     if a.compare:
         return _compare(cfg, a, world, per_node, dev)
@@ -306,7 +313,7 @@ def _simulate(cfg, a) -> int:
     print(f"{unit_name} per rank:")
     for row in [cols, *rows]:
         print("  ".join(c.rjust(w) for c, w in zip(row, widths, strict=True)))
-    if any(f"params {d}" in sim.layout.describe() for d in ("bf16", "fp16")):
+    if _mixed_precision(sim):
         print("note: under mixed precision the simulated peak is too high (it counts up to the whole model's fp32 "
               "size that a real step does not hold; cause not found yet); params, grads and optim are exact")
     print("\ncollectives per step (count, MiB of this rank's inputs):")
@@ -339,8 +346,7 @@ def _compare(cfg, a, world: int, per_node: int, dev) -> int:
     rows, skipped = [], []
     for est in plan.ranked[:a.top or 6]:
         d = est.dims
-        strategy = "fsdp" if d.dp_shard > 1 or d.cp > 1 or d.tp > 1 or d.pp > 1 else "ddp"
-        parallel = with_fields(cfg.parallel, strategy=strategy, dp_replicate=d.dp_replicate, dp_shard=d.dp_shard,
+        parallel = with_fields(cfg.parallel, strategy=strategy_of(d), dp_replicate=d.dp_replicate, dp_shard=d.dp_shard,
                                cp=d.cp, tp=d.tp, pp=d.pp)
         candidate = with_fields(cfg, parallel=parallel)
         try:
@@ -395,6 +401,11 @@ def _project(cfg, a, sim, per_node: int):
                    activation_checkpointing=bool(cfg.train.activation_checkpointing))
 
 
+def _mixed_precision(sim) -> bool:
+    """FSDP computes in bf16/fp16 (where the simulated peak is known to be too high)."""
+    return sim.layout.use_mesh and sim.layout.param_dtype in ("bf16", "fp16")
+
+
 def _check_memory(sim, limit: float | None) -> None:
     """Refuse, as the launch would run out of memory, a rank whose weights, gradients and optimizer
     state (exact: the real local shards) are over the device's memory; warn when its simulated peak
@@ -417,7 +428,7 @@ def _check_memory(sim, limit: float | None) -> None:
             "more ranks")
     peak = max(sim.ranks, key=lambda r: r.peak.get("total", 0))
     if peak.peak.get("total", 0) > limit:
-        mixed = "params bf16" in sim.layout.describe() or "params fp16" in sim.layout.describe()
+        mixed = _mixed_precision(sim)
         print(f"warning: rank {peak.rank}'s simulated peak, {size(peak.peak['total'])}, is over the device's "
               f"{size(limit)}" + (" (under mixed precision the simulated peak is known to be too high)"
                                    if mixed else ""), file=sys.stderr)

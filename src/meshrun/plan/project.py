@@ -110,6 +110,14 @@ def wire_bytes(kind: str, nbytes: int, n: int) -> float:
     return float(nbytes)  # broadcast, send, recv
 
 
+def check_inputs(efficiency: float | None, inter_node_gbps: float) -> None:
+    """One line for a projection input out of range (before a simulation, and in `project`)."""
+    if efficiency is not None and not 0 < efficiency <= 1:
+        raise ConfigError(f"--compute-efficiency must be in (0, 1], got {efficiency:g}")
+    if inter_node_gbps <= 0:
+        raise ConfigError(f"--inter-node-gbps must be > 0, got {inter_node_gbps:g}")
+
+
 @dataclass(frozen=True)
 class Projection:
     device: Device
@@ -139,10 +147,7 @@ def project(sim, *, flops_per_token: int, seq_len: int, nproc_per_node: int, dev
     """The projected step of `sim` (a `meshrun.train.simulate.Simulation`)."""
     dev = device(device_name)
     efficiency = dev.efficiency if efficiency is None else efficiency
-    if not 0 < efficiency <= 1:
-        raise ConfigError(f"--compute-efficiency must be in (0, 1], got {efficiency:g}")
-    if inter_node_gbps <= 0:
-        raise ConfigError(f"--inter-node-gbps must be > 0, got {inter_node_gbps:g}")
+    check_inputs(efficiency, inter_node_gbps)
     layout = sim.layout
     dims = layout.dims
     options = layout.options
