@@ -8,6 +8,7 @@ once, rather than a copy in each file.
 from __future__ import annotations
 
 import atexit
+import importlib.util
 import itertools
 import json
 import os
@@ -298,6 +299,14 @@ def metrics_records(run_dir: Path, kind: str | None = None, *, partial: bool = F
             if not partial:
                 raise
     return [r for r in rows if kind is None or r.get("kind") == kind]
+
+
+def requires(*packages: str):
+    """A skip mark for tests that need optional top-level packages, found without importing them: every
+    xdist worker imports every test module at collection, and transformers, pyarrow or mlflow cost
+    seconds each there (a test imports what it uses in its body)."""
+    missing = [name for name in packages if importlib.util.find_spec(name) is None]
+    return pytest.mark.skipif(bool(missing), reason=f"needs {', '.join(missing)}: `make setup` installs every extra")
 
 
 def env_int(name: str, default: int) -> int:

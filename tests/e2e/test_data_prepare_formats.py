@@ -8,17 +8,18 @@ import math
 from pathlib import Path
 
 import pytest
-from conftest import meshrun, metrics_records, save_hf_tokenizer, train_tiny
+from conftest import meshrun, metrics_records, requires, save_hf_tokenizer, train_tiny
 
-pa = pytest.importorskip("pyarrow")
-pq = pytest.importorskip("pyarrow.parquet")
-datasets = pytest.importorskip("datasets")
-pytest.importorskip("tokenizers")
+pytestmark = requires("pyarrow", "datasets", "tokenizers")
 
 DOCS = [f"record {i}: a small fox {'runs ' * (i % 4)}past {i % 9} sleepy dogs and one cat." for i in range(150)]
 
 
 def test_prepare_jsonl_parquet_and_save_to_disk_then_train(tmp_path: Path):
+    import datasets
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
     (tmp_path / "a.jsonl").write_text("".join(json.dumps({"content": d}) + "\n" for d in DOCS[:50]))
     pq.write_table(pa.table({"content": DOCS[50:100]}), tmp_path / "b.parquet", row_group_size=20)
     datasets.DatasetDict({"train": datasets.Dataset.from_dict({"content": DOCS[100:]})}).save_to_disk(str(tmp_path / "c"))

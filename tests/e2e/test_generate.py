@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import meshrun
+from conftest import meshrun, requires
 
-transformers = pytest.importorskip("transformers")
+pytestmark = requires("transformers")
 
 from meshrun.config.dump import save_config  # noqa: E402
 from meshrun.config.loader import load_config  # noqa: E402
@@ -92,6 +92,8 @@ def test_bad_input_is_one_line_exit_2(tmp_path: Path, monkeypatch):
 def test_a_model_hf_run_generates_and_exports_as_its_hf_model(tmp_path: Path):
     """A `[model] hf = DIR` run (tensors under the adapter's names, as hfin's trainer saves them) samples
     the tokens transformers' own generate gives, and exports back to DIR's config with equal logits."""
+    import transformers
+
     from meshrun.models.hf_keys import from_hf_key
     from meshrun.trained.export_hf import export_hf
 

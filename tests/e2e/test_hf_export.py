@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import meshrun_each, train_tiny
+from conftest import meshrun_each, requires, train_tiny
 
-transformers = pytest.importorskip("transformers")
+pytestmark = requires("transformers")
 
 ENV = {"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 SMALL = ["--set", "train.steps=1", "--set", "train.eval_interval=0", "--set", "train.eval_steps=1",
@@ -56,6 +56,8 @@ def _reference(run_dir: Path):
 
 
 def _check_export(run_dir: Path, out: Path, tied: bool) -> None:
+    import transformers
+
     index = json.loads((out / "model.safetensors.index.json").read_text())
     shards = sorted(p.name for p in out.glob("model-*-of-*.safetensors"))
     assert len(shards) > 2 and set(index["weight_map"].values()) == set(shards)

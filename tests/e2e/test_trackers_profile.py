@@ -9,12 +9,9 @@ import os
 import sys
 
 import pytest
-from conftest import BIN, meshrun, run_proc, train_tiny
+from conftest import BIN, meshrun, requires, run_proc, train_tiny
 
-pytest.importorskip("mlflow")
-pytest.importorskip("wandb")
-pytest.importorskip("trackio")
-pytest.importorskip("tensorboard")
+pytestmark = requires("mlflow", "wandb", "trackio", "tensorboard")
 
 STEPS = 4
 RESUME = """

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import run_proc, save_hf_tokenizer
+from conftest import requires, run_proc, save_hf_tokenizer
 
 from meshrun.cli import data as data_cli
 from meshrun.data import ByteTokenizer, load_tokenizer, open_token_dir, prepare_tokens
@@ -19,9 +19,7 @@ from meshrun.data.loader import load_data_tokens
 from meshrun.data.prepare_progress import PrepareProgress
 from meshrun.errors import DataError
 
-pa = pytest.importorskip("pyarrow")
-pq = pytest.importorskip("pyarrow.parquet")
-tokenizers = pytest.importorskip("tokenizers")
+pytestmark = requires("pyarrow", "tokenizers", "datasets")
 
 DOCS = [f"doc {i}: the quick brown fox {'jumps ' * (i % 5)}over the lazy dog, ünïcödé {i}" for i in range(40)]
 
@@ -39,7 +37,10 @@ def byte_ids(docs: list[str]) -> list[int]:
 @pytest.fixture(scope="module")
 def files(tmp_path_factory) -> dict[str, Path]:
     """DOCS as .txt, .jsonl, .parquet (4 row groups), a Dataset and a DatasetDict saved with `datasets`."""
-    datasets = pytest.importorskip("datasets")
+    import datasets
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
     root = tmp_path_factory.mktemp("inputs")
     out = {"txt": root / "a.txt", "jsonl": root / "a.jsonl", "parquet": root / "a.parquet",
            "dataset": root / "ds", "dict": root / "dd"}

@@ -16,9 +16,10 @@ from functools import cache
 from pathlib import Path
 
 import pytest
+from conftest import requires
 
 yaml = pytest.importorskip("yaml")
-jsonschema = pytest.importorskip("jsonschema")
+pytestmark = requires("jsonschema")  # imported where the schemas are checked: seconds at collection
 
 from meshrun.cluster import kubernetes as k8s  # noqa: E402
 from meshrun.cluster.job import RDZV_PORT, SubmitJob  # noqa: E402
@@ -53,6 +54,12 @@ def _strict(node):
     return node
 
 
+def _jsonschema():
+    import jsonschema
+
+    return jsonschema
+
+
 def _unique_map_keys(validator, keys, instance, schema):
     if not validator.is_type(instance, "array"):
         return
@@ -60,7 +67,7 @@ def _unique_map_keys(validator, keys, instance, schema):
     for item in instance:
         key = tuple(item.get(k) for k in keys) if isinstance(item, dict) else (item,)
         if key in seen:
-            yield jsonschema.ValidationError(f"duplicate entry for list map keys {keys}: {key}")
+            yield _jsonschema().ValidationError(f"duplicate entry for list map keys {keys}: {key}")
         seen.add(key)
 
 
@@ -68,7 +75,7 @@ def _list_type(validator, kind, instance, schema):
     if kind == "set" and validator.is_type(instance, "array"):
         dumped = [json.dumps(item, sort_keys=True) for item in instance]
         if len(set(dumped)) != len(dumped):
-            yield jsonschema.ValidationError("duplicate items in a list of type set")
+            yield _jsonschema().ValidationError("duplicate items in a list of type set")
 
 
 @cache
@@ -77,6 +84,7 @@ def validator(kind: str):
         stored = json.load(f)
     assert (f"{stored['group']}/{stored['version']}", stored["kind"]) == API[kind]
     schema = _strict(stored["openAPIV3Schema"])
+    jsonschema = _jsonschema()
     cls = jsonschema.validators.extend(jsonschema.Draft4Validator, {
         "x-kubernetes-list-map-keys": _unique_map_keys, "x-kubernetes-list-type": _list_type})
     cls.check_schema(schema)

@@ -7,8 +7,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import requires
 
-transformers = pytest.importorskip("transformers")
+pytestmark = requires("transformers")
 
 from meshrun.errors import ConfigError  # noqa: E402
 from meshrun.models.hf_keys import from_hf_key  # noqa: E402
@@ -35,6 +36,8 @@ def _logits(model, tokens) -> torch.Tensor:
 @pytest.mark.parametrize("tied", [False, True])
 def test_builtin_export_matches_the_model(tmp_path: Path, tied: bool):
     """q/k rows permuted for HF's rotate-half RoPE, GQA, tied embeddings: logits equal within 1e-5."""
+    import transformers
+
     ours = Transformer(ModelArgs(vocab_size=259, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=64,
                                  tie_embeddings=tied), seed=3).eval()
     state = {k: v.detach() for k, v in ours.state_dict().items()}
@@ -49,6 +52,8 @@ def test_builtin_export_matches_the_model(tmp_path: Path, tied: bool):
 
 def test_hf_run_names_go_through_hf_keys(tmp_path: Path):
     """A [model] hf run's tensors (model.<adapter name>) come back under HF names with DIR's config.json."""
+    import transformers
+
     cfg = transformers.LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                    num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
     ref = transformers.LlamaForCausalLM(cfg).eval()

@@ -299,6 +299,10 @@ def simulate(cfg, world_size: int, *, vocab_size: int | None = None) -> Simulati
         with on_meta():
             return build_model(cfg.model, vocab_size, seed=cfg.train.seed)
 
+    # Each simulated rank is a fork of this process, and its FakeTensorMode imports torch._dynamo
+    # (1.5-3 s here): imported once before the forks, every rank starts with it.
+    import torch._dynamo  # noqa: F401
+
     ranks = [simulate_rank_isolated(model, layout, rank, build_optimizer=lambda part: build_optimizer(part, cfg.optim),
                            seq_len=cfg.data.seq_len, dtype=cfg.train.dtype,
                            grad_clip=cfg.train.grad_clip, grad_accum=layout.options.grad_accum)
