@@ -16,11 +16,11 @@ Three contracts the guide states only partly, all measured on CPU/gloo here:
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from dataclasses import dataclass
-
 from torch.distributed.fsdp import (
     CPUOffloadPolicy,
     MixedPrecisionPolicy,
