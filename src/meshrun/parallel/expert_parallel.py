@@ -47,13 +47,15 @@ class ExpertParallel(ParallelStyle):
     """Shard a grouped-experts module's weights on dim 0 over a 1-D ep mesh and route its tokens.
 
     The module's forward takes (tokens sorted by expert, tokens per expert as an (experts,)
-    tensor) and returns one row per token in the same order. Counters for benchmarks:
-    `bytes_sent` (rows sent by this rank's forward all-to-alls, in bytes).
+    tensor) and returns one row per token in the same order. Counters for benchmarks/moe.py, bytes
+    this rank sent to its ep peers in forward: `rows_bytes` (the tokens' rows, dispatch and
+    combine; backward's reverse all-to-alls send as much again) and `counts_bytes`.
     """
 
     def __init__(self) -> None:
         super().__init__()
-        self.bytes_sent = 0
+        self.rows_bytes = 0
+        self.counts_bytes = 0
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         return distribute_module(module, device_mesh, partition_fn=self._partition,
@@ -86,8 +88,9 @@ class ExpertParallel(ParallelStyle):
         block = torch.repeat_interleave(torch.arange(ep * local, device=x.device), received)
         order = torch.argsort((block % local) * ep + block // local, stable=True)
         module._ep_route = (order, send, recv)
-        row_bytes = x.shape[1] * x.element_size()
-        self.bytes_sent += (x.shape[0] - send[mesh.get_local_rank()]) * row_bytes  # to peers only
+        me = mesh.get_local_rank()
+        self.rows_bytes += (sum(send) - send[me] + sum(recv) - recv[me]) * x.shape[1] * x.element_size()
+        self.counts_bytes += (ep - 1) * local * counts.element_size()
         return rows[order], received.view(ep, local).sum(0)
 
     @staticmethod
@@ -100,12 +103,13 @@ class ExpertParallel(ParallelStyle):
 
 def apply_ep(model: nn.Module, ep_mesh: DeviceMesh) -> list[ExpertParallel]:
     """Shard every grouped-experts module of `model` over the 1-D `ep_mesh`, in place; the styles
-    applied (their counters). Call before FSDP, like tensor parallel."""
+    applied (also each module's `ep_style`, for its counters). Call before FSDP, like tensor parallel."""
     from torch.distributed.tensor.parallel import parallelize_module
 
     styles = []
     for module in expert_modules(model):
         style = ExpertParallel()
         parallelize_module(module, ep_mesh, style)
+        module.ep_style = style
         styles.append(style)
     return styles
