@@ -87,7 +87,8 @@ def test_model_shape_from_args_and_modules():
     from meshrun.models.llama import ModelArgs, Transformer
 
     args = ModelArgs(vocab_size=32, dim=16, n_layers=3, n_heads=2, max_seq_len=8)
-    assert ModelShape.from_args(args) == ModelShape(n_heads=2, n_kv_heads=2, n_layers=3, tie_embeddings=args.tie_embeddings)
+    assert ModelShape.from_args(args) == ModelShape(n_heads=2, n_kv_heads=2, n_layers=3, tie_embeddings=args.tie_embeddings,
+                                                    experts=0)  # the built-in model says it has none
     assert ModelShape.from_model(Transformer(args, seed=0)) == ModelShape.from_args(args)
     assert ModelShape.from_args(object()) == ModelShape()  # a user model that says nothing
 
@@ -202,6 +203,9 @@ def test_expert_parallel_borrows_dp_shard_and_divides_the_experts():
     assert ("model.experts=6 is not divisible by parallel.ep=4 (each ep rank holds experts / ep of them); "
             "valid parallel.ep: 1, 2, 3, 6") in error(ParallelOptions(strategy="fsdp", ep=4), 4,
                                                       dataclasses.replace(MODEL, experts=6))
+    assert "parallel.ep=2 splits routed experts, but the model has none" in error(
+        ParallelOptions(strategy="fsdp", ep=2), 4, dataclasses.replace(MODEL, experts=0))
+    resolve_layout(ParallelOptions(strategy="fsdp", ep=2), 4, MODEL)  # experts unknown: checked at build
     assert load_config(None, ["parallel.strategy=fsdp", "parallel.ep=2"]).parallel.ep == 2
     with pytest.raises(ConfigError, match="parallel.ep=2 splits the experts over data-parallel shard ranks"):
         load_config(None, ["parallel.ep=2"])

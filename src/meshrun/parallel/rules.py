@@ -138,12 +138,17 @@ def check_expert_parallel(ep: int, *, dp_shard: int, cp: int = 1, strategy: str 
                           f"data-parallel shard ranks); valid: {_listing(divisors(dp_shard))}")
 
 
+def _no_experts(ep: int) -> str:
+    return (f"parallel.ep={ep} splits routed experts, but the model has none (the built-in model with "
+            "model.experts > 0 has them); set parallel.ep=1")
+
+
 def check_experts_found(ep: int, found: int) -> None:
     """Under expert parallel the model must have routed experts to split (a dense built-in model,
-    model.hf or a user factory has none meshrun can find)."""
+    model.hf or a user factory has none meshrun can find): checked before launch for the built-in
+    model (model.experts = 0), at build for the others."""
     if ep > 1 and not found:
-        raise ConfigError(f"parallel.ep={ep} splits routed experts, but the model has none (the built-in "
-                          "model with model.experts > 0 has them); set parallel.ep=1")
+        raise ConfigError(_no_experts(ep))
 
 
 def check_tp_features(tp: int, pp: int, sequence_parallel: bool, loss_parallel: bool) -> None:
@@ -267,7 +272,7 @@ def model_shape_of(args: Any) -> dict[str, Any]:
     object; None for what it does not say (a user model)."""
     n_heads, n_kv_heads, n_layers, tied, experts = (getattr(args, key, None) for key in MODEL_KEYS)
     return dict(n_heads=n_heads, n_kv_heads=n_kv_heads or n_heads, n_layers=n_layers, tie_embeddings=tied,
-                experts=experts or None)
+                experts=experts)
 
 
 def check_stages(pp: int, n_layers: int | None, world_size: int, stages_per_rank: int = 1) -> None:
@@ -310,6 +315,8 @@ def _experts_problem(tp: int, experts: int | None, ep: int = 1) -> str | None:
     if tp > 1 and experts:
         return (f"parallel.tp={tp} with model.experts={experts}: tensor parallel of a mixture-of-experts "
                 "model is not supported yet; set parallel.tp=1 and shard with parallel.dp_shard (FSDP)")
+    if ep > 1 and experts == 0:
+        return _no_experts(ep)
     if ep > 1 and experts is not None and experts % ep:
         return (f"model.experts={experts} is not divisible by parallel.ep={ep} (each ep rank holds "
                 f"experts / ep of them); valid parallel.ep: {_listing(divisors(experts))}")
