@@ -3,12 +3,13 @@
 Token-choice top-k routing (Switch, arXiv:2101.03961; GShard, arXiv:2006.16668) with DeepSeekMoE's
 shared experts (arXiv:2401.06066), balanced either by DeepSeek-V3's aux-loss-free expert bias or
 its sequence-wise balance loss (arXiv:2412.19437, section 2.1.2). Names follow torchtitan's MoE,
-so that expert parallel can later shard the experts on their first dim: ``router.gate``,
-``experts.{w1,w2,w3}`` of shape (experts, ...), ``shared_experts.{w1,w2,w3}``.
+and expert parallel (meshrun.parallel.expert_parallel) shards the experts on their first dim:
+``router.gate``, ``experts.{w1,w2,w3}`` of shape (experts, ...), ``shared_experts.{w1,w2,w3}``.
 
 Each forward in training adds its routing to this module's step totals (tokens per expert, the
 balance loss, the router entropy); meshrun.train.moe_stats sums them over the ranks after each
-optimizer step, updates the bias, and logs the figures. Nothing here communicates.
+optimizer step, updates the bias, and logs the figures. Nothing here communicates: under
+expert parallel the all-to-alls run in hooks around GroupedExperts' forward.
 """
 
 from __future__ import annotations
