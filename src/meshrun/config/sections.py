@@ -18,6 +18,7 @@ from meshrun.parallel.resolve import DTYPE_NAMES, ParallelOptions, check_options
 from meshrun.parallel.rules import (
     check_context_parallel,
     check_cp_model,
+    check_ep_model,
     check_optimizer_shards,
     shards_parameters,
 )
@@ -323,6 +324,7 @@ class JobConfig:
         degrees = stated_degrees(ParallelOptions.from_sections(self.parallel))
         check_context_parallel(degrees["cp"], seq_len=data.seq_len)
         check_cp_model(degrees["cp"], factory=model.factory)
+        check_ep_model(self.parallel.ep, hf=model.hf, factory=model.factory)
         if model.max_seq_len and data.seq_len > model.max_seq_len:
             raise ConfigError(
                 f"data.seq_len ({data.seq_len}) must be <= model.max_seq_len ({model.max_seq_len}); "

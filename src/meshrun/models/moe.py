@@ -61,6 +61,8 @@ class GroupedExperts(nn.Module):
     """``experts`` SwiGLU MLPs held as three (experts, ...) tensors: expert e is
     w2[e] (silu(w1[e] x) * w3[e] x)."""
 
+    routed_by_counts = True  # forward(tokens sorted by expert, tokens per expert): what ep dispatches
+
     def __init__(self, dim: int, hidden: int, experts: int):
         super().__init__()
         self.num_experts = experts  # expert parallel (meshrun.parallel.expert_parallel) shards dim 0

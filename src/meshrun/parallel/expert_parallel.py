@@ -34,10 +34,11 @@ from torch.distributed.tensor.parallel import ParallelStyle
 
 
 def expert_modules(model: nn.Module) -> Iterator[nn.Module]:
-    """The grouped-experts modules of `model`: an int `num_experts` and only (num_experts, ...)
+    """The grouped-experts modules of `model` whose forward takes (tokens sorted by expert, tokens
+    per expert), `routed_by_counts`, with an int `num_experts` and only (num_experts, ...)
     parameters (meshrun.models.moe.GroupedExperts); the router and shared experts are not."""
     for module in model.modules():
-        n = getattr(module, "num_experts", None)
+        n = getattr(module, "num_experts", None) if getattr(module, "routed_by_counts", False) else None
         params = list(module.parameters(recurse=False))
         if isinstance(n, int) and params and all(p.dim() >= 2 and p.shape[0] == n for p in params):
             yield module
