@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import meshrun, train_tiny
+from conftest import EXAMPLES, meshrun, train_tiny
 
 from meshrun.checkpoint.samples import effective_samples
 
@@ -100,3 +100,39 @@ def test_export_loads_into_a_plain_model_and_init_from_starts_from_it(fsdp4, tmp
     load_consolidated(started, out)
     with torch.no_grad():
         assert torch.equal(started(tokens), distributed(tokens))
+
+
+# -- expert parallel: examples/configs/tiny-moe-ep2.toml (2 processes, each holding 2 of the 4 experts)
+
+MOE_EP2 = EXAMPLES / "configs" / "tiny-moe-ep2.toml"
+EP_COMMON = ["--set", "train.steps=6", "--set", "train.eval_interval=0", "--set", "metrics.interval=1",
+             "--set", "checkpoint.interval=3", "--set", "checkpoint.snapshot_interval=0"]
+
+
+def _train_ep(tmp: Path, name: str, *args: str, env: dict | None = None) -> tuple[str, Path]:
+    result = meshrun("train", str(MOE_EP2), "--set", f"train.name={name}", "--set", f"train.run_dir={tmp}",
+                     *EP_COMMON, *args, timeout=150, cwd=tmp, env={**ENV, **(env or {})})
+    assert result.returncode == 0, result.output[-4000:]
+    return result.output, tmp / name
+
+
+@pytest.mark.timeout(240)
+def test_ep2_resumes_bitwise_after_sigkill_and_reshards_to_one_process(tmp_path):
+    """ep 2 killed (SIGKILL) while writing its step-6 checkpoint, restarted by the agent from step 3:
+    the final weights (experts and their bias included) equal an uninterrupted run's bit for bit.
+    Then its step-3 checkpoint resumes in one process (all 4 experts on one rank, the same global
+    batch of 16): the losses of steps 4-6 match the ep 2 run's."""
+    _, ref_dir = _train_ep(tmp_path, "ref")
+    out, killed_dir = _train_ep(tmp_path, "killed", "--max-restarts", "1", env={"MESHRUN_FAULT": "ckpt_write:6"})
+    assert "step-00000003 (step 3, saved on 2 processes, fsdp (dp 2, ep 2))" in out, out[-3000:]
+    ref, got = (torch.load(d / "model.pt", weights_only=True) for d in (ref_dir, killed_dir))
+    assert ref.keys() == got.keys() and "layers.0.feed_forward.experts.w1" in ref
+    assert ref["layers.0.feed_forward.experts.w1"].shape[0] == 4  # gathered from both ep ranks
+    assert not [k for k in ref if not torch.equal(ref[k], got[k])]
+    out, one_dir = _train_ep(tmp_path, "one", "--nproc-per-node", "1", "--set", "parallel.ep=1",
+                             "--set", "train.batch_size=16", "--resume", str(killed_dir / "checkpoints" / "step-00000003"),
+                             "--set", "checkpoint.interval=0")
+    assert "saved on 2 processes, fsdp (dp 2, ep 2)" in out, out[-3000:]
+    ref_losses, one_losses = _losses(ref_dir), _losses(one_dir)
+    assert sorted(one_losses) == [4, 5, 6]
+    assert max(abs(one_losses[s] - ref_losses[s]) for s in one_losses) < 1e-5, (one_losses, ref_losses)

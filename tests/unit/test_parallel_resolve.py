@@ -87,7 +87,8 @@ def test_model_shape_from_args_and_modules():
     from meshrun.models.llama import ModelArgs, Transformer
 
     args = ModelArgs(vocab_size=32, dim=16, n_layers=3, n_heads=2, max_seq_len=8)
-    assert ModelShape.from_args(args) == ModelShape(n_heads=2, n_kv_heads=2, n_layers=3, tie_embeddings=args.tie_embeddings)
+    assert ModelShape.from_args(args) == ModelShape(n_heads=2, n_kv_heads=2, n_layers=3, tie_embeddings=args.tie_embeddings,
+                                                    experts=0)  # the built-in model says it has none
     assert ModelShape.from_model(Transformer(args, seed=0)) == ModelShape.from_args(args)
     assert ModelShape.from_args(object()) == ModelShape()  # a user model that says nothing
 
@@ -140,7 +141,15 @@ RULES = [
     (dict(strategy="fsdp", cp=2, seq_len=10), 4,
      "data.seq_len=10 must divide into 2 x parallel.cp = 4 equal chunks (head-tail load balancing gives each "
      "cp rank two); e.g. data.seq_len=8 or 12"),
+    (dict(ep=0), 4, "parallel.ep must be an integer >= 1 (1 = off), got 0"),
+    (dict(ep=2), 4, "parallel.ep=2 splits the experts over data-parallel shard ranks (FSDP), which "
+     "parallel.strategy = 'ddp' does not have; set parallel.strategy = 'fsdp'"),
+    (dict(strategy="fsdp", cp=2, ep=2), 4, "parallel.ep=2 with parallel.cp=2: expert parallel over "
+     "context-parallel ranks is not supported yet"),
+    (dict(**dict(FSDP, dp_shard=6), ep=4), 6, "parallel.ep=4 must divide parallel.dp_shard=6 (expert "
+     "parallel borrows data-parallel shard ranks); valid: 1, 2, 3, 6"),
     # -- the rules above need no world size (check_options); those below do
+    (dict(strategy="fsdp", ep=4, pp=2), 4, "parallel.ep=4 must divide parallel.dp_shard=2"),  # dp_shard from the world
     (dict(**dict(FSDP, dp_shard=2), tp=2, pp=-1, loss_parallel=True, batch_size=8), 8,
      "parallel.loss_parallel=true does not compose with parallel.pp=2"),  # pp known only with the world
     (dict(), 0, "world size must be an integer >= 1, got 0"),
@@ -173,7 +182,7 @@ RULES = [
      "parallel.pp_microbatches=5 must be a multiple of parallel.pp=2 (or at most 2) for 'interleaved_1f1b'"),
 ]
 
-OPTION_RULES = 22
+OPTION_RULES = 26
 
 
 @pytest.mark.parametrize(("kwargs", "world", "expected"), RULES, ids=[r[2][:50] for r in RULES])
@@ -185,6 +194,24 @@ def test_tied_embeddings_are_refused_under_pp_only():
     tied = dataclasses.replace(MODEL, tie_embeddings=True)
     assert "model.tie_embeddings=true" in error(ParallelOptions(pp=2), 2, tied)
     resolve_layout(ParallelOptions(), 2, tied)
+
+
+def test_expert_parallel_borrows_dp_shard_and_divides_the_experts():
+    layout = resolve_layout(ParallelOptions(strategy="fsdp", ep=2), 4, dataclasses.replace(MODEL, experts=4))
+    assert (layout.dims.dp_shard, layout.dims.ep, layout.dims.efsdp, layout.dp_size) == (4, 2, 2, 4)
+    assert "ep 2 (of dp_shard)" in layout.describe()
+    assert ("model.experts=6 is not divisible by parallel.ep=4 (each ep rank holds experts / ep of them); "
+            "valid parallel.ep: 1, 2, 3, 6") in error(ParallelOptions(strategy="fsdp", ep=4), 4,
+                                                      dataclasses.replace(MODEL, experts=6))
+    assert "parallel.ep=2 splits routed experts, but the model has none" in error(
+        ParallelOptions(strategy="fsdp", ep=2), 4, dataclasses.replace(MODEL, experts=0))
+    resolve_layout(ParallelOptions(strategy="fsdp", ep=2), 4, MODEL)  # experts unknown: checked at build
+    with pytest.raises(ConfigError, match="parallel.ep=2 splits the built-in model's routed experts; "
+                                          "model.factory='pkg.mod:fn' is not split"):
+        load_config(None, ["parallel.strategy=fsdp", "parallel.ep=2", "model.factory=pkg.mod:fn"])
+    assert load_config(None, ["parallel.strategy=fsdp", "parallel.ep=2"]).parallel.ep == 2
+    with pytest.raises(ConfigError, match="parallel.ep=2 splits the experts over data-parallel shard ranks"):
+        load_config(None, ["parallel.ep=2"])
 
 
 def test_model_rules_are_skipped_without_a_shape():
@@ -245,6 +272,13 @@ MESSAGES = [
     "(head-tail load balancing gives each",
     "splits the sequence of the built-in model and model.hf models",
     "(the ring attention runs eagerly)",
+    "an integer >= 1 (1 = off)",
+    "splits the experts over data-parallel shard ranks",
+    "expert parallel over context-parallel",
+    "(expert parallel borrows",
+    "is not divisible by parallel.ep=",
+    "splits routed experts, but the model has none",
+    "splits the built-in model's routed experts;",
 ]
 # ConfigErrors outside rules.py that name a parallel key but are no layout rule: misuse of the build
 # API (parallelize.py), and `meshrun plan --show` asking for its --world flag.

@@ -219,3 +219,26 @@ def test_ring_bytes_count_the_ring_of_each_cp_rank():
     checkpointed = ring_bytes(args, ParallelDims(1, 1, 1, 1, world_size=2, cp=2), batch_size=2, seq_len=64, dtype="bf16",
                               activation_checkpointing=True)
     assert checkpointed == 4 * kv * (1 * 2 * 3 + 2 * 4)
+
+
+def test_expert_plan_counts_the_experts_and_all_to_all_bytes_of_each_rank(capsys):
+    from meshrun.cli.plan import main
+    from meshrun.models.sizes import get_size
+    from meshrun.parallel.resolve import ModelShape, ParallelOptions, resolve_layout
+    from meshrun.plan.experts import expert_plan
+
+    args = get_size("tiny-moe")  # 4 experts, top 2, every block MoE
+    per_expert = 3 * args.moe_hidden * args.dim * 4
+    moe_blocks = args.n_layers
+    for world, ep, rows in ((2, 2, 2), (4, 2, 1), (4, 4, 1)):  # efsdp = world / ep shards each rank's experts
+        dims = resolve_layout(ParallelOptions(strategy="fsdp", ep=ep), world, ModelShape.from_args(args)).dims
+        plan = expert_plan(args, dims, batch_size=8, seq_len=32)
+        assert plan.expert_param_bytes == moe_blocks * rows * per_expert
+        slots = 8 * 32 * 2
+        expected = moe_blocks * (4 * slots * args.dim * 4 + args.experts * 8) * (ep - 1) / ep
+        assert plan.all_to_all_bytes == pytest.approx(expected)
+    dense = resolve_layout(ParallelOptions(strategy="fsdp"), 2, ModelShape.from_args(args)).dims
+    assert expert_plan(args, dense, batch_size=8, seq_len=32) is None
+    assert main(["--model", "tiny-moe", "--world", "2", "--set", "parallel.strategy=fsdp", "--set",
+                 "parallel.ep=2"]) == 0
+    assert "expert parallel: 2 of 4 experts per ep rank" in capsys.readouterr().out

@@ -186,9 +186,14 @@ def _config_line(cfg, plan: Plan, args, world: int, batch: int, seq: int) -> str
         layout = resolve_layout(options, world, ModelShape.from_args(args))
     except MeshrunError as err:
         return f"config [parallel] on {world} ranks: refused ({err})"
+    from meshrun.plan.experts import expert_plan
+
     degrees = layout.dims.degrees
     row = next((i for i, e in enumerate(plan.ranked, 1) if e.dims.degrees == degrees), None)
-    return f"config [parallel] on {world} ranks: {layout.describe()}" + (f" (row {row})" if row else "")
+    line = f"config [parallel] on {world} ranks: {layout.describe()}" + (f" (row {row})" if row else "")
+    experts = expert_plan(args, layout.dims, batch_size=batch, seq_len=seq, grad_accum=options.grad_accum,
+                          dtype=options.dtype, param_dtype=layout.param_dtype)
+    return line + (f"\n{experts.describe()}" if experts else "")
 
 
 def main(argv: list[str]) -> int:

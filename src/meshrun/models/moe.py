@@ -3,12 +3,13 @@
 Token-choice top-k routing (Switch, arXiv:2101.03961; GShard, arXiv:2006.16668) with DeepSeekMoE's
 shared experts (arXiv:2401.06066), balanced either by DeepSeek-V3's aux-loss-free expert bias or
 its sequence-wise balance loss (arXiv:2412.19437, section 2.1.2). Names follow torchtitan's MoE,
-so that expert parallel can later shard the experts on their first dim: ``router.gate``,
-``experts.{w1,w2,w3}`` of shape (experts, ...), ``shared_experts.{w1,w2,w3}``.
+and expert parallel (meshrun.parallel.expert_parallel) shards the experts on their first dim:
+``router.gate``, ``experts.{w1,w2,w3}`` of shape (experts, ...), ``shared_experts.{w1,w2,w3}``.
 
 Each forward in training adds its routing to this module's step totals (tokens per expert, the
 balance loss, the router entropy); meshrun.train.moe_stats sums them over the ranks after each
-optimizer step, updates the bias, and logs the figures. Nothing here communicates.
+optimizer step, updates the bias, and logs the figures. Nothing here communicates: under
+expert parallel the all-to-alls run in hooks around GroupedExperts' forward.
 """
 
 from __future__ import annotations
@@ -60,18 +61,26 @@ class GroupedExperts(nn.Module):
     """``experts`` SwiGLU MLPs held as three (experts, ...) tensors: expert e is
     w2[e] (silu(w1[e] x) * w3[e] x)."""
 
+    routed_by_counts = True  # forward(tokens sorted by expert, tokens per expert): what ep dispatches
+
     def __init__(self, dim: int, hidden: int, experts: int):
         super().__init__()
+        self.num_experts = experts  # expert parallel (meshrun.parallel.expert_parallel) shards dim 0
         self.w1 = nn.Parameter(torch.empty(experts, hidden, dim))
         self.w2 = nn.Parameter(torch.empty(experts, dim, hidden))
         self.w3 = nn.Parameter(torch.empty(experts, hidden, dim))
 
-    def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        """x: (sum(counts), dim), the tokens sorted by expert, counts[e] of them for expert e."""
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """x: (sum(counts), dim), the tokens sorted by expert, counts[e] of them for expert e.
+
+        Under expert parallel the weights are DTensors sharded on the expert dim, and x and
+        counts are this rank's experts' tokens (the dispatch ran in a forward pre-hook): the
+        loop runs over the local shard."""
+        w1, w2, w3 = (w.to_local() if hasattr(w, "to_local") else w for w in (self.w1, self.w2, self.w3))
         outs = []
-        for e, part in enumerate(torch.split(x, counts)):
-            hidden = F.silu(part @ self.w1[e].t()) * (part @ self.w3[e].t())
-            outs.append(hidden @ self.w2[e].t())
+        for e, part in enumerate(torch.split(x, _split_sizes(counts, x.shape[0]))):
+            hidden = F.silu(part @ w1[e].t()) * (part @ w3[e].t())
+            outs.append(hidden @ w2[e].t())
         return torch.cat(outs)
 
 
@@ -133,7 +142,7 @@ class MoE(nn.Module):
         counts.scatter_add_(0, indices.flatten(), torch.ones_like(indices.flatten()))
         order = torch.argsort(indices.flatten(), stable=True)  # (token, slot) pairs by expert
         token_of = order // self.top_k
-        routed = self.experts(flat[token_of], _split_sizes(counts, indices.numel()))
+        routed = self.experts(flat[token_of], counts)
         routed = routed * weights.flatten()[order].unsqueeze(-1).to(routed.dtype)
         out = torch.zeros(flat.shape[0], dim, dtype=routed.dtype, device=routed.device)
         out = out.index_add(0, token_of, routed)

@@ -27,7 +27,7 @@ See https://docs.pytorch.org/tutorials/recipes/distributed_device_mesh.html
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING
 
 from meshrun.parallel import rules
@@ -61,11 +61,16 @@ class ParallelDims:
     """Total number of ranks; the product of the five degrees must equal it."""
     cp: int = 1
     """Context-parallel degree: each sequence split over this many ranks (ring attention)."""
+    ep: int = 1
+    """Expert-parallel degree: routed experts split over this many of the dp_shard ranks (not a
+    factor of the world size: it borrows from dp_shard, as torchtitan's ep does)."""
+    _expert_meshes: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         resolved = rules.resolve_degrees({name: getattr(self, name) for name in DEGREES}, self.world_size)
         for name, value in resolved.items():
             object.__setattr__(self, name, value)  # frozen: the one -1 becomes the ranks left
+        rules.check_expert_parallel(self.ep, dp_shard=self.dp_shard, cp=self.cp)
 
     @classmethod
     def from_config(cls, parallel_cfg, world_size: int) -> ParallelDims:
@@ -74,7 +79,7 @@ class ParallelDims:
         left). Prefer `resolve_layout`, which checks the whole layout."""
         degrees = {name: getattr(parallel_cfg, name, 1) for name in DEGREES}
         return cls(**rules.strategy_degrees(getattr(parallel_cfg, "strategy", "ddp"), degrees),
-                   world_size=world_size)
+                   world_size=world_size, ep=getattr(parallel_cfg, "ep", 1))
 
     # -- checks against the model (no process group needed) ------------------------------------
 
@@ -85,7 +90,7 @@ class ParallelDims:
         (`rules.check_model_shape`); None skips a check (a user model that does not say)."""
         rules.check_model_shape(tp=self.tp, pp=self.pp, world_size=self.world_size, n_heads=n_heads,
                                 n_kv_heads=n_kv_heads, n_layers=n_layers, tie_embeddings=tie_embeddings,
-                                experts=experts)
+                                experts=experts, ep=self.ep)
 
     def check_model_args(self, args) -> None:
         """`check_model` from an object with n_heads / n_kv_heads / n_layers / tie_embeddings
@@ -125,6 +130,15 @@ class ParallelDims:
         return self.cp > 1
 
     @property
+    def ep_enabled(self) -> bool:
+        return self.ep > 1
+
+    @property
+    def efsdp(self) -> int:
+        """The dp_shard ranks that hold the same experts: FSDP shards the experts over these."""
+        return self.dp_shard // self.ep
+
+    @property
     def dp_size(self) -> int:
         """Ranks that see different data: the data loader's num_replicas."""
         return self.dp_replicate * self.dp_shard
@@ -136,6 +150,8 @@ class ParallelDims:
     def describe(self) -> str:
         """One line for logs, e.g. 'dp_shard 2 x tp 2 (world 4)'."""
         on = [f"{name} {getattr(self, name)}" for name in MESH_AXES if getattr(self, name) > 1]
+        if self.ep_enabled:
+            on.append(f"ep {self.ep} (of dp_shard)")
         return f"{' x '.join(on) or 'single rank'} (world {self.world_size})"
 
     # -- the mesh -------------------------------------------------------------------------------
@@ -153,6 +169,11 @@ class ParallelDims:
         self.dp_mesh(mesh)  # create the flattened groups now, collectively, on every rank
         if self.cp_enabled:
             self.fsdp_mesh(mesh)
+        if self.ep_enabled:
+            # dp_shard unflattened into (efsdp, ep), ep innermost (neighbouring ranks): the same
+            # ranks, new groups. Kept here: unflattening again would create more groups.
+            sparse = mesh["dp_replicate", "dp_shard"]._unflatten(1, (self.efsdp, self.ep), ("efsdp", "ep"))
+            self._expert_meshes[id(mesh)] = sparse
         return mesh
 
     @staticmethod
@@ -167,6 +188,17 @@ class ParallelDims:
     def dp_rank(cls, mesh: DeviceMesh) -> int:
         """This rank's index among the data-parallel ranks: the data loader's rank."""
         return cls.dp_mesh(mesh).get_local_rank()
+
+    def ep_mesh(self, mesh: DeviceMesh) -> DeviceMesh:
+        """The 1-D "ep" mesh of `mesh` (built by `build_mesh` when ep > 1): the ranks whose
+        experts together make all the experts, and between which tokens travel."""
+        return self._expert_meshes[id(mesh)]["ep"]
+
+    def expert_fsdp_mesh(self, mesh: DeviceMesh) -> DeviceMesh:
+        """The mesh fully_shard gets for the routed experts under ep: 1-D "efsdp" (the dp_shard
+        ranks holding the same experts), 2-D (dp_replicate, efsdp) with replicas (HSDP)."""
+        sparse = self._expert_meshes[id(mesh)]
+        return sparse["dp_replicate", "efsdp"] if self.dp_replicate_enabled else sparse["efsdp"]
 
     def fsdp_mesh(self, mesh: DeviceMesh) -> DeviceMesh:
         """The mesh fully_shard gets: 2-D (dp_replicate, dp_shard) for HSDP, else 1-D dp_shard;

@@ -16,6 +16,8 @@ Three contracts the guide states only partly, all measured on CPU/gloo here:
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -37,6 +39,16 @@ def blocks_of(model: nn.Module) -> list[nn.Module]:
     return []
 
 
+@dataclass(frozen=True)
+class ExpertSharding:
+    """How expert parallel's routed experts are sharded (meshrun.parallel.expert_parallel):
+    over `mesh` (the dp_shard ranks holding the same experts, "efsdp"), their gradient divided by
+    `grad_divide` (every data-parallel rank's tokens reach them, not only efsdp's)."""
+
+    mesh: DeviceMesh
+    grad_divide: int
+
+
 def apply_fsdp(
     model: nn.Module,
     mesh: DeviceMesh,
@@ -45,6 +57,7 @@ def apply_fsdp(
     reduce_dtype: torch.dtype | None = None,
     reshard_after_forward: bool = True,
     cpu_offload: bool = False,
+    experts: ExpertSharding | None = None,
 ) -> nn.Module:
     """Shard `model` in place over `mesh` and return it (now also an `FSDPModule`).
 
@@ -70,11 +83,33 @@ def apply_fsdp(
         # Pinned host memory needs an accelerator; CPU training has nothing to pin.
         offload = CPUOffloadPolicy(pin_memory=mesh.device_type != "cpu")
     for block in blocks_of(model):
+        if experts is not None:
+            _shard_experts(block, experts, reshard_after_forward=reshard_after_forward, mp_policy=mp,
+                           offload_policy=offload)
         fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward,
                     mp_policy=mp, offload_policy=offload)
     # The root unit holds what is left: embeddings, the final norm and the output projection.
     fully_shard(model, mesh=mesh, mp_policy=mp, offload_policy=offload)
     return model
+
+
+def _shard_experts(block: nn.Module, experts: ExpertSharding, **kwargs) -> None:
+    """Each grouped-experts module of `block` its own FSDP unit over the experts' mesh, before the
+    block's unit (which then leaves their parameters alone), as torchtitan does.
+
+    The expert gradient on an ep rank already sums the losses of its ep peers' tokens, so FSDP
+    divides by the whole data-parallel size instead of the experts' mesh size. Over more than
+    one rank the reduction is a plain sum then that division (gloo has no pre-multiplied sum);
+    over one rank torch divides by the factor itself (forcing the sum there would divide twice,
+    torch 2.13's foreach_reduce).
+    """
+    from meshrun.parallel.expert_parallel import expert_modules
+
+    for module in list(expert_modules(block)):
+        fully_shard(module, mesh=experts.mesh, **kwargs)
+        module.set_gradient_divide_factor(float(experts.grad_divide))
+        if experts.mesh.mesh.shape[-1] > 1:  # efsdp, the shard dim (after dp_replicate under HSDP)
+            module.set_force_sum_reduction_for_comms(True)
 
 
 def sharded_bytes(model: nn.Module) -> int:

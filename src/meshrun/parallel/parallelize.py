@@ -37,7 +37,7 @@ from meshrun.errors import ConfigError
 from meshrun.parallel.checkpointing import apply_activation_checkpointing
 from meshrun.parallel.ddp import apply_ddp
 from meshrun.parallel.dims import ParallelDims
-from meshrun.parallel.rules import check_tp_features
+from meshrun.parallel.rules import check_experts_found, check_tp_features
 
 if TYPE_CHECKING:
     from meshrun.parallel.pipeline import Pipeline
@@ -131,6 +131,12 @@ def _apply_nd(model: nn.Module, dims: ParallelDims, mesh, *, device: torch.devic
 
         dims.check_model_args(getattr(model, "args", None))  # a ConfigError, not a shape error
         apply_tp(model, mesh["tp"], sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
+    if dims.ep_enabled:
+        from meshrun.parallel.expert_parallel import apply_ep, expert_modules
+
+        # A pipeline stage may hold no MoE block; the whole model must have some.
+        check_experts_found(dims.ep, len(list(expert_modules(model))) or _stage_may_lack(model))
+        apply_ep(model, dims.ep_mesh(mesh))
     if activation_checkpointing:
         apply_activation_checkpointing(model)
     # DDP takes neither DTensor parameters (TP) nor a pipeline's several backwards per step
@@ -140,17 +146,27 @@ def _apply_nd(model: nn.Module, dims: ParallelDims, mesh, *, device: torch.devic
     # fold): each holds other tokens of the same samples, so their gradients are averaged too.
     use_fsdp = dims.fsdp_enabled or ((dims.tp_enabled or dims.pp_enabled) and dims.dp_replicate_enabled)
     if use_fsdp:
-        from meshrun.parallel.fsdp import apply_fsdp
+        from meshrun.parallel.fsdp import ExpertSharding, apply_fsdp
 
+        experts = None
+        if dims.ep_enabled:  # the experts sharded over the dp_shard ranks ep leaves (torchtitan's efsdp)
+            experts = ExpertSharding(dims.expert_fsdp_mesh(mesh), grad_divide=dims.dp_size)
         model = apply_fsdp(model, dims.fsdp_mesh(mesh) if dims.fsdp_enabled
                            else mesh["dp_replicate", "dp_shard"],
                            param_dtype=param_dtype, reduce_dtype=reduce_dtype,
-                           reshard_after_forward=reshard_after_forward, cpu_offload=cpu_offload)
+                           reshard_after_forward=reshard_after_forward, cpu_offload=cpu_offload,
+                           experts=experts)
     if materialize is not None:
         materialize(model)
     if dims.dp_replicate_enabled and not use_fsdp:
         model = apply_ddp(model, device, process_group=mesh["dp_replicate"].get_group())
     return model
+
+
+def _stage_may_lack(model: nn.Module) -> bool:
+    """A pipeline stage (its blocks a slice of the model's) may hold only dense blocks."""
+    args = getattr(model, "args", None)
+    return bool(getattr(args, "experts", 0)) and len(getattr(model, "layers", ())) < getattr(args, "n_layers", 0)
 
 
 def unwrap_model(model: nn.Module) -> nn.Module:

@@ -60,6 +60,7 @@ class ParallelOptions:
     cp: int = 1
     tp: int = 1
     pp: int = 1
+    ep: int = 1
     pp_schedule: str = "gpipe"
     pp_microbatches: int = 0
     pp_stages_per_rank: int = 0
@@ -196,6 +197,7 @@ def check_options(options: ParallelOptions) -> None:
     rules.check_precision(o.dtype, o.pp, o.param_dtype)
     stated = rules.strategy_degrees(o.strategy, o.degrees)
     rules.check_context_parallel(stated["cp"], seq_len=o.seq_len)
+    rules.check_expert_parallel(o.ep, dp_shard=stated["dp_shard"], cp=stated["cp"], strategy=o.strategy)
 
 
 def resolve_layout(options: ParallelOptions, world_size: int, model: ModelShape | None = None) -> ResolvedLayout:
@@ -203,14 +205,14 @@ def resolve_layout(options: ParallelOptions, world_size: int, model: ModelShape 
     the fix. `model` adds the shape rules (heads vs tp, blocks vs stages, tied embeddings) and
     the pipeline's block split; without it those are left to a later call with the model."""
     degrees = rules.resolve_degrees(stated_degrees(options), world_size, strategy=options.strategy)
-    dims = ParallelDims(**degrees, world_size=world_size)
+    dims = ParallelDims(**degrees, world_size=world_size, ep=options.ep)
     rules.check_tp_features(dims.tp, dims.pp, options.sequence_parallel, options.loss_parallel)
     rules.check_precision(options.dtype, dims.pp, options.param_dtype)
     rules.check_context_parallel(dims.cp, seq_len=options.seq_len)
     shape = model or ModelShape()
     rules.check_model_shape(tp=dims.tp, pp=dims.pp, world_size=world_size, n_heads=shape.n_heads,
                             n_kv_heads=shape.n_kv_heads or shape.n_heads, n_layers=shape.n_layers,
-                            tie_embeddings=shape.tie_embeddings, experts=shape.experts)
+                            tie_embeddings=shape.tie_embeddings, experts=shape.experts, ep=dims.ep)
     pipeline = None
     if dims.pp > 1:
         pipeline = rules_pp.resolve_pipeline(

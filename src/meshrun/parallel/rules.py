@@ -119,6 +119,49 @@ def resolve_degrees(degrees: dict[str, int], world_size: int, *, strategy: str =
     return out
 
 
+def check_expert_parallel(ep: int, *, dp_shard: int, cp: int = 1, strategy: str = "fsdp") -> None:
+    """Expert parallel borrows its ranks from the data-parallel shards, as torchtitan's does: the
+    dense weights stay sharded over all dp_shard ranks, the experts over dp_shard / ep of them.
+    A dp_shard of -1 is not known yet."""
+    require("parallel.ep", isinstance(ep, int) and not isinstance(ep, bool) and ep >= 1,
+            "an integer >= 1 (1 = off)", ep)
+    if ep == 1:
+        return
+    if strategy == "ddp":
+        raise ConfigError(f"parallel.ep={ep} splits the experts over data-parallel shard ranks (FSDP), which "
+                          "parallel.strategy = 'ddp' does not have; set parallel.strategy = 'fsdp'")
+    if cp != 1:
+        raise ConfigError(f"parallel.ep={ep} with parallel.cp={cp}: expert parallel over context-parallel "
+                          "ranks is not supported yet; set parallel.cp=1 or parallel.ep=1")
+    if dp_shard != -1 and dp_shard % ep:
+        raise ConfigError(f"parallel.ep={ep} must divide parallel.dp_shard={dp_shard} (expert parallel borrows "
+                          f"data-parallel shard ranks); valid: {_listing(divisors(dp_shard))}")
+
+
+def check_ep_model(ep: int, *, hf: str = "", factory: str = "") -> None:
+    """Expert parallel dispatches the tokens of the built-in model's grouped experts (their forward
+    takes tokens sorted by expert and the count per expert); a model.hf or model.factory model's
+    experts compute their own way."""
+    if ep <= 1 or not (hf or factory):
+        return
+    key, value = ("model.hf", hf) if hf else ("model.factory", factory)
+    raise ConfigError(f"parallel.ep={ep} splits the built-in model's routed experts; {key}={value!r} is not split "
+                      "(its experts route their own tokens); set parallel.ep=1 and shard with parallel.dp_shard")
+
+
+def _no_experts(ep: int) -> str:
+    return (f"parallel.ep={ep} splits routed experts, but the model has none (the built-in model with "
+            "model.experts > 0 has them); set parallel.ep=1")
+
+
+def check_experts_found(ep: int, found: int) -> None:
+    """Under expert parallel the model must have routed experts to split (a dense built-in model,
+    model.hf or a user factory has none meshrun can find): checked before launch for the built-in
+    model (model.experts = 0), at build for the others."""
+    if ep > 1 and not found:
+        raise ConfigError(_no_experts(ep))
+
+
 def check_tp_features(tp: int, pp: int, sequence_parallel: bool, loss_parallel: bool) -> None:
     """Sequence and loss parallel split over the tp ranks, and make a stage's output a DTensor,
     which the pipeline's point-to-point sends do not carry. A degree of -1 is not known yet."""
@@ -240,7 +283,7 @@ def model_shape_of(args: Any) -> dict[str, Any]:
     object; None for what it does not say (a user model)."""
     n_heads, n_kv_heads, n_layers, tied, experts = (getattr(args, key, None) for key in MODEL_KEYS)
     return dict(n_heads=n_heads, n_kv_heads=n_kv_heads or n_heads, n_layers=n_layers, tie_embeddings=tied,
-                experts=experts or None)
+                experts=experts)
 
 
 def check_stages(pp: int, n_layers: int | None, world_size: int, stages_per_rank: int = 1) -> None:
@@ -277,20 +320,26 @@ def _heads_problem(tp: int, world_size: int, n_heads: int | None, n_kv_heads: in
     return None
 
 
-def _experts_problem(tp: int, experts: int | None) -> str | None:
-    """The tensor-parallel plan shards a dense feed-forward; it has none for an expert."""
+def _experts_problem(tp: int, experts: int | None, ep: int = 1) -> str | None:
+    """The tensor-parallel plan shards a dense feed-forward; it has none for an expert. Expert
+    parallel needs experts, a whole number of them on each ep rank."""
     if tp > 1 and experts:
         return (f"parallel.tp={tp} with model.experts={experts}: tensor parallel of a mixture-of-experts "
                 "model is not supported yet; set parallel.tp=1 and shard with parallel.dp_shard (FSDP)")
+    if ep > 1 and experts == 0:
+        return _no_experts(ep)
+    if ep > 1 and experts is not None and experts % ep:
+        return (f"model.experts={experts} is not divisible by parallel.ep={ep} (each ep rank holds "
+                f"experts / ep of them); valid parallel.ep: {_listing(divisors(experts))}")
     return None
 
 
 def check_model_shape(*, tp: int, pp: int, world_size: int, n_heads: int | None = None,
                       n_kv_heads: int | None = None, n_layers: int | None = None,
-                      tie_embeddings: bool | None = None, experts: int | None = None) -> None:
+                      tie_embeddings: bool | None = None, experts: int | None = None, ep: int = 1) -> None:
     """tp divides the heads, pp stages have a block each, no tied embeddings under pp, no tp of
-    experts; None skips."""
-    problem = _heads_problem(tp, world_size, n_heads, n_kv_heads) or _experts_problem(tp, experts)
+    experts, ep divides the experts; None skips."""
+    problem = _heads_problem(tp, world_size, n_heads, n_kv_heads) or _experts_problem(tp, experts, ep)
     if problem:
         raise ConfigError(problem)
     check_stages(pp, n_layers, world_size)
@@ -299,10 +348,10 @@ def check_model_shape(*, tp: int, pp: int, world_size: int, n_heads: int | None 
 
 
 def model_fits(*, tp: int, pp: int, n_heads: int, n_kv_heads: int, n_layers: int,
-               tie_embeddings: bool = False, experts: int = 0) -> bool:
+               tie_embeddings: bool = False, experts: int = 0, ep: int = 1) -> bool:
     """`check_model_shape` as a test (`meshrun plan` lists the layouts that pass)."""
     return (_heads_problem(tp, tp, n_heads, n_kv_heads) is None and pp <= n_layers
-            and not (pp > 1 and tie_embeddings) and _experts_problem(tp, experts) is None)
+            and not (pp > 1 and tie_embeddings) and _experts_problem(tp, experts, ep) is None)
 
 
 def check_compile(compile_on: bool, tp: int, sequence_parallel: bool, cp: int = 1, experts: int = 0) -> None:

@@ -37,7 +37,7 @@ def flops_per_token(model: nn.Module, seq_len: int) -> float | None:
 
 def layout_record(cfg: JobConfig, dp_size: int) -> dict:
     p = cfg.parallel
-    return {"strategy": p.strategy, "dp": dp_size, "dp_shard": p.dp_shard, "cp": p.cp, "tp": p.tp, "pp": p.pp}
+    return {"strategy": p.strategy, "dp": dp_size, "dp_shard": p.dp_shard, "cp": p.cp, "tp": p.tp, "pp": p.pp, "ep": p.ep}
 
 
 def save_final_weights(layout: BuiltLayout, run_dir: Path, env: DistEnv) -> Path | None:

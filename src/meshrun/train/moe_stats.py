@@ -4,8 +4,9 @@ aux-loss-free bias update, and the figures logged in metrics.jsonl (meshrun.mode
 One all-reduce of a (MoE layers x (experts + 4)) table over the world, every step under
 moe_balance='bias' (the bias needs the load of every rank, so each rank moves it the same way)
 and on logging steps otherwise. Each rank fills the rows of the blocks it holds: data-parallel
-and context-parallel ranks route different tokens through the same block, and pipeline stages
-hold different blocks, so the sum over the world is every layer's load over the global batch
+and context-parallel ranks route different tokens through the same block (expert-parallel ranks
+too: each routes its own tokens, wherever their experts live), and pipeline stages hold
+different blocks, so the sum over the world is every layer's load over the global batch
 (tensor parallel of experts is refused, parallel/rules.py). A dense model has no MoEStats:
 nothing here runs.
 """
