@@ -2,8 +2,8 @@
 
 No leaks: changing example A of a packed row leaves the per-token losses of the examples beside it
 unchanged (within 1e-6), for the built-in model (SDPA with a block-causal mask) and a Hugging Face
-Llama (transformers' packed-sequence mask from the position ids); without the mask they change, so
-the check bites. Then the loader (a chat token directory made here with a tokenizer built here):
+Llama (transformers' packed-sequence mask from the position ids, also split into pipeline stages);
+without the mask they change, so the check bites. Then the loader (a chat token directory made here with a tokenizer built here):
 every train example in exactly one sequence, nothing truncated, exactly-once over an epoch on 2
 ranks and after a resume on 1; and the refusals, each one line.
 """
@@ -87,12 +87,21 @@ def test_changing_example_a_leaves_the_other_examples_losses_unchanged_builtin()
 
 def test_changing_example_a_leaves_the_other_examples_losses_unchanged_hf(tmp_path: Path):
     from meshrun.models.hf import build_hf_model
+    from meshrun.parallel.pipeline import stage_module
 
     model = build_hf_model(str(save_tiny_hf(tmp_path / "llama")))
     model.check_packing()  # routes attention through transformers' masks
     with_mask, without = _leak(model)
     assert with_mask <= 1e-6
     assert without > 1e-3
+    # pipeline stages: each builds the mask again from the positions it is given (as the schedule does)
+    inputs, _, positions, _ = _row(2)
+    kwargs = {"positions": positions, "documents": document_ids(positions)}
+    with torch.no_grad():
+        whole = model(inputs, **kwargs)
+        first, last = stage_module(model, 0, 2, ["0"]), stage_module(model, 1, 2, ["1"])
+        assert torch.equal(last(first(inputs, **kwargs), **kwargs), whole)
+        assert (last(first(inputs)) - whole).abs().max() > 1e-3  # without them: attention across examples
 
 
 def _chat_dir(tmp_path: Path) -> tuple[Path, Path]:
