@@ -7,8 +7,9 @@ with grad_accum 2 for 3 SGD steps; its dp-averaged loss and grad norm must match
 (grad_accum 1, the whole batch) within 1e-5 at every step, and so must the held-out loss after them
 (not under pp). The reference run without the examples' documents (attention across them) differs
 by far more, so a layout that dropped the mask on the way (a pipeline stage, a TP shard) fails.
-Layouts: ddp 2, tp 2 (heads sharded, the mask broadcast over them), pp 2 (the mask's documents
-travel to every stage with each micro-batch).
+Layouts: ddp 2, tp 2 with sequence parallel and activation checkpointing (heads sharded, the mask
+broadcast over them, passed by keyword past TP's input plan and the checkpoint wrapper), pp 2 (the
+examples' documents travel to every stage with each micro-batch).
 """
 
 from __future__ import annotations
@@ -33,7 +34,11 @@ GLOBAL_BATCH = 8
 SEQ = 16
 TOL = 1e-5
 CPU = torch.device("cpu")
-LAYOUTS = {"ddp2": dict(dp_replicate=2), "tp2": dict(tp=2), "pp2": dict(pp=2)}
+LAYOUTS = {  # name -> degrees, parallelize_nd options
+    "ddp2": (dict(dp_replicate=2), {}),
+    "tp2_sp_ac": (dict(tp=2), dict(sequence_parallel=True, activation_checkpointing=True)),
+    "pp2": (dict(pp=2), {}),
+}
 
 
 def _args() -> ModelArgs:
@@ -57,7 +62,7 @@ def _batch() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return tuple(torch.stack(col) for col in zip(*(ds[i] for i in range(GLOBAL_BATCH)), strict=True))
 
 
-def _train(degrees: dict | None = None, *, unmasked: bool = False) -> dict:
+def _train(degrees: dict | None = None, options: dict | None = None, *, unmasked: bool = False) -> dict:
     model = Transformer(_args(), seed=7)
     layout = BuiltLayout([model], dp_rank=0, dp_size=1, device=CPU)
     accum = 1
@@ -73,7 +78,7 @@ def _train(degrees: dict | None = None, *, unmasked: bool = False) -> dict:
             pipeline = parallelize_pipeline(model, dims, mesh, plan, device=CPU, grad_accum=accum)
             parts = pipeline.parts
         else:
-            parts = [parallelize_nd(model, dims, mesh, device=CPU)]
+            parts = [parallelize_nd(model, dims, mesh, device=CPU, **(options or {}))]
         layout = BuiltLayout(parts, dp_rank=dims.dp_rank(mesh), dp_size=dims.dp_size, device=CPU,
                              world_size=world, dims=dims, mesh=mesh, pipeline=pipeline)
     optimizers = [torch.optim.SGD(part.parameters(), lr=0.5) for part in layout.parts]
@@ -96,10 +101,10 @@ def _train(degrees: dict | None = None, *, unmasked: bool = False) -> dict:
 
 
 def _rank_layouts() -> dict[str, dict]:
-    return {name: _train(degrees) for name, degrees in LAYOUTS.items()}
+    return {name: _train(degrees, options) for name, (degrees, options) in LAYOUTS.items()}
 
 
-def test_packed_examples_under_ddp_tp_pp_with_grad_accum_match_one_process():
+def test_packed_examples_under_ddp_tp_sp_pp_with_grad_accum_match_one_process():
     ranks = run_distributed(_rank_layouts, world_size=2, timeout=60)
     ref = _train()
     leaky = _train(unmasked=True)

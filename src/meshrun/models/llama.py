@@ -117,7 +117,8 @@ class TransformerBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 mask: torch.Tensor | None = None) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), cos, sin, mask)
+        # the mask by keyword: tensor parallel's input plan (parallel/tp.py) lays out the positional ones
+        h = x + self.attention(self.attention_norm(x), cos, sin, mask=mask)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -175,7 +176,7 @@ class Transformer(nn.Module):
             cos, sin = self.freqs_cos[positions], self.freqs_sin[positions]
         mask = None if documents is None else block_causal_mask(documents)
         for layer in self.layers.values():
-            h = layer(h, cos, sin) if mask is None else layer(h, cos, sin, mask)
+            h = layer(h, cos, sin, mask=mask)
         if self.norm is not None:
             h = self.norm(h)
         return self.output(h) if self.output is not None else h
