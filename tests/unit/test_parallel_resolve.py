@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from meshrun.config import ParallelSection, TrainSection, load_config
+from meshrun.config import DataSection, ParallelSection, TrainSection, load_config
 from meshrun.errors import ConfigError
 from meshrun.parallel.resolve import (
     DTYPE_NAMES,
@@ -74,7 +74,7 @@ def test_options_from_config_equal_the_sections_and_defaults_agree():
     options = ParallelOptions.from_config(cfg)
     assert (options.strategy, options.tp, options.batch_size, options.dtype) == ("fsdp", 2, 4, "bf16")
     assert options.seq_len == cfg.data.seq_len  # the [data] key a layout reads (context parallel)
-    defaults = {f.name: f.default for cls in (ParallelSection, TrainSection) for f in dataclasses.fields(cls)}
+    defaults = {f.name: f.default for cls in (ParallelSection, TrainSection, DataSection) for f in dataclasses.fields(cls)}
     for f in dataclasses.fields(ParallelOptions):
         if f.name != "seq_len":  # 0 = not known: the sequence rules wait for a [data] section
             assert f.default == defaults[f.name], f.name  # ParallelOptions() is the default config's layout

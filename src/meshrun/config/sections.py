@@ -20,6 +20,7 @@ from meshrun.parallel.rules import (
     check_cp_model,
     check_ep_model,
     check_optimizer_shards,
+    check_packing,
     shards_parameters,
 )
 
@@ -121,6 +122,7 @@ class DataSection(Section):
     val_fraction: float = doc_field(0.05, "Share of the data held out for eval loss, 0 < x < 0.5.")
     shuffle: bool = doc_field(True, "Reshuffle the sample order every epoch (seeded by train.seed).")
     num_workers: int = doc_field(0, "DataLoader worker processes per rank; 0 = load in the training process.")
+    packing: bool = doc_field(False, "Pack whole examples of a chat / prompt-completion token directory into each sequence, attention kept inside each example, positions restarting per example; false = windows of seq_len over the examples back to back.")
 
     def validate(self) -> None:
         self.require("tokenizer", bool(self.tokenizer.strip()), "'byte', a tokenizer directory or a tokenizer.json file")
@@ -325,6 +327,7 @@ class JobConfig:
         check_context_parallel(degrees["cp"], seq_len=data.seq_len)
         check_cp_model(degrees["cp"], factory=model.factory)
         check_ep_model(self.parallel.ep, hf=model.hf, factory=model.factory)
+        check_packing(data.packing, cp=degrees["cp"], factory=model.factory)
         if model.max_seq_len and data.seq_len > model.max_seq_len:
             raise ConfigError(
                 f"data.seq_len ({data.seq_len}) must be <= model.max_seq_len ({model.max_seq_len}); "

@@ -21,6 +21,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Subset
 
 from meshrun.data.corpus import load_corpus_text
+from meshrun.data.packing import packed_split
 from meshrun.data.sampler import ResumableDistributedSampler
 from meshrun.data.split import split_sizes
 from meshrun.data.tokenizer import Tokenizer, load_tokenizer, tokenizer_fingerprint
@@ -28,8 +29,10 @@ from meshrun.data.tokens import (
     IGNORE_INDEX,
     encode_file,
     encode_text,
+    open_examples,
     open_loss_mask,
     open_token_dir,
+    read_meta,
 )
 from meshrun.errors import DataError
 
@@ -241,6 +244,18 @@ def load_data(path: str, tokenizer: Tokenizer, *, vocab_size: int | None = None
     return ids, None, None
 
 
+def load_examples(path: str) -> torch.Tensor:
+    """The example bounds of the token directory data.path (`open_examples`), for data.packing;
+    one line when it has none (text, or not a token directory)."""
+    p = Path(path).expanduser()
+    bounds = open_examples(p, read_meta(p)) if str(path).strip() and p.is_dir() else None
+    if bounds is None:
+        raise DataError(f"data.packing=true packs the examples of a chat or prompt-completion token directory, "
+                        f"but data.path={str(path)!r} has none; prepare one with `meshrun data prepare FILE "
+                        "--format chat|prompt-completion`, or set data.packing=false")
+    return bounds
+
+
 def build_loaders(data_cfg: Any, *, seq_len: int | None = None, batch_size: int, dp_rank: int,
                   dp_size: int, seed: int, tokenizer: Tokenizer | None = None,
                   vocab_size: int | None = None) -> tuple[InfiniteLoader, DataLoader | None, Tokenizer]:
@@ -256,7 +271,8 @@ def build_loaders(data_cfg: Any, *, seq_len: int | None = None, batch_size: int,
 
     train is an InfiniteLoader (batches (x, y) of shape [batch_size, seq_len], int64, forever);
     with a chat / prompt-completion token directory, targets left out of the loss are -100
-    (IGNORE_INDEX) and `train.masked` is True.
+    (IGNORE_INDEX) and `train.masked` is True. With data_cfg.packing (meshrun.data.packing)
+    batches are (x, y, positions), the positions restarting at each packed example.
     val is a finite DataLoader over this rank's equal share of the held-out windows (in order,
     the same every time), or None when data.val_fraction is 0.
     """
@@ -271,10 +287,15 @@ def build_loaders(data_cfg: Any, *, seq_len: int | None = None, batch_size: int,
     train_tokens, val_tokens = split_tokens(tokens, val_fraction, seq_len=seq_len)
     n_train = len(train_tokens)
     train_mask, val_mask = (None, None) if mask is None else (mask[:n_train], mask[n_train:])
-
-    train_ds = TokenWindowDataset(train_tokens, seq_len, loss_mask=train_mask)
+    packing = bool(getattr(data_cfg, "packing", False))
+    unit = "packed sequences" if packing else "windows"
+    if packing:
+        train_ds, val_ds = packed_split(tokens, mask, load_examples(data_cfg.path), seq_len, n_train=n_train)
+    else:
+        train_ds = TokenWindowDataset(train_tokens, seq_len, loss_mask=train_mask)
+        val_ds = None if val_tokens is None else TokenWindowDataset(val_tokens, seq_len, loss_mask=val_mask)
     if len(train_ds) // dp_size < batch_size:
-        raise DataError(f"the training data has {len(train_ds)} windows of seq_len {seq_len}: less than "
+        raise DataError(f"the training data has {len(train_ds)} {unit} of seq_len {seq_len}: less than "
                         f"one batch per rank (batch_size {batch_size} x {dp_size} ranks); use more data "
                         "or a smaller seq_len or batch_size")
     sampler = ResumableDistributedSampler(len(train_ds), dp_size, dp_rank, seed,
@@ -283,18 +304,17 @@ def build_loaders(data_cfg: Any, *, seq_len: int | None = None, batch_size: int,
     train = InfiniteLoader(DataLoader(train_ds, batch_size=batch_size, sampler=sampler, drop_last=True,
                                       num_workers=num_workers, persistent_workers=num_workers > 0))
     val = None
-    if val_tokens is not None:
-        val_ds = TokenWindowDataset(val_tokens, seq_len, loss_mask=val_mask)
+    if val_ds is not None:
         per_rank = len(val_ds) // dp_size
         if per_rank == 0:
-            raise DataError(f"data.val_fraction={val_fraction} gives {len(val_ds)} validation windows "
+            raise DataError(f"data.val_fraction={val_fraction} gives {len(val_ds)} validation {unit} "
                             f"of seq_len {seq_len}, fewer than the {dp_size} data-parallel ranks; "
                             "raise data.val_fraction")
         # Equal counts on every rank: under DDP, uneven eval batches would hang a collective.
         shard = Subset(val_ds, range(dp_rank, per_rank * dp_size, dp_size))
         val = DataLoader(shard, batch_size=batch_size, shuffle=False, num_workers=num_workers)
-    log.info("data: %s tokens from %s; %d train windows (%d batches/rank/epoch), %d val windows; "
+    log.info("data: %s tokens from %s; %d train %s (%d batches/rank/epoch), %d val; "
              "seq_len %d, tokenizer %s", f"{len(tokens):,}", data_cfg.path or "the built-in corpus",
-             len(train_ds), train.batches_per_epoch, 0 if val is None else len(val.dataset) * dp_size,
+             len(train_ds), unit, train.batches_per_epoch, 0 if val is None else len(val.dataset) * dp_size,
              seq_len, tokenizer.spec)
     return train, val, tokenizer

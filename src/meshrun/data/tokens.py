@@ -196,6 +196,29 @@ def open_loss_mask(path: str | Path, meta: TokenMeta, *, verify: str = "auto") -
     return torch.from_file(str(mask_path), shared=False, size=meta.num_tokens, dtype=torch.uint8)
 
 
+def open_examples(path: str | Path, meta: TokenMeta) -> torch.Tensor | None:
+    """DIR/examples.bin as int64 offsets, one per example plus the end (num_tokens), after checking
+    its size, its sha256 and that the offsets rise from 0; None for a directory without one (text)."""
+    if meta.examples is None:
+        return None
+    ex_path = Path(path).expanduser() / EXAMPLES_FILE
+    if not ex_path.is_file():
+        raise DataError(f"{ex_path} is missing, but {META_FILE} records examples; {REPREPARE_HINT}")
+    count = meta.examples.get("count")
+    found = ex_path.stat().st_size
+    if not _count(count) or found != count * 8:
+        raise _corrupt(ex_path, f"expected {count!r} int64 offsets, found {found} bytes")
+    if _full_sha256(ex_path) != meta.examples.get("sha256"):
+        raise _corrupt(ex_path, "sha256 does not match meta.json (the file changed after prepare)")
+    import torch
+
+    starts = torch.frombuffer(bytearray(ex_path.read_bytes()), dtype=torch.int64)
+    bounds = torch.cat([starts, torch.tensor([meta.num_tokens])])
+    if int(starts[0]) != 0 or bool((bounds[1:] < bounds[:-1]).any()):
+        raise _corrupt(ex_path, "its offsets do not rise from 0 to the token count")
+    return bounds
+
+
 def sample_sha256(path: Path) -> str:
     size = path.stat().st_size
     h = hashlib.sha256(str(size).encode())

@@ -207,10 +207,13 @@ class HFCausalLM(nn.Module):
         if self.output is not None:
             hf._modules[parts.head] = self.output
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
+                documents: torch.Tensor | None = None) -> torch.Tensor:
         """``positions``: the sequence positions of ``tokens``' columns, (T,) or per row (B, T)
         (default 0..T-1): context parallel's share of a sequence, given to the model as its
-        `position_ids`."""
+        `position_ids`. ``documents``: packed examples (meshrun.data.packing); transformers finds
+        the same ones from the `position_ids` (restarting per example) and masks attention at their
+        boundaries itself (`check_packing` refuses a model that would not)."""
         hf = self.__dict__["_hf"]
         first = self.tok_embeddings is not None
         seqlen = tokens.shape[1]
@@ -312,6 +315,15 @@ class HFCausalLM(nn.Module):
             raise ModelError(f"{where}: {reason}; set parallel.cp=1")
         AttentionInterface.register(CP_ATTENTION, cp_attention)
         hf.set_attn_implementation(CP_ATTENTION)
+
+    def check_packing(self) -> None:
+        """data.packing: transformers masks packed examples apart (from the position_ids) in the
+        masks it builds for its attention interface; a model that computes attention in its own
+        code might not, so it is refused in one line."""
+        hf = self.__dict__["_hf"]
+        if not type(hf)._supports_attention_backend:
+            raise ModelError(f"data.packing=true with model.hf={self.hf_dir!r}: {type(hf).__name__} computes "
+                             "attention in its own code, which may attend across packed examples; set data.packing=false")
 
     def check_layout(self, tp: int, pp: int) -> None:
         """What this architecture's structure cannot do under the layout, as one ConfigError line

@@ -59,6 +59,14 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return out.flatten(-2).type_as(x)
 
 
+def block_causal_mask(documents: torch.Tensor) -> torch.Tensor:
+    """(B, T) document index of each column -> (B, 1, T, T) bool: a query attends the keys at or
+    before it in its own document (packed examples never see each other)."""
+    seqlen = documents.shape[-1]
+    causal = torch.ones(seqlen, seqlen, dtype=torch.bool, device=documents.device).tril()
+    return ((documents[:, :, None] == documents[:, None, :]) & causal)[:, None]
+
+
 class Attention(nn.Module):
     """Causal self-attention with grouped-query heads (arXiv:2305.13245)."""
 
@@ -70,7 +78,10 @@ class Attention(nn.Module):
         self.wv = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
+        """``mask``: (B, 1, T, T) bool, True where a query may attend a key (packed examples'
+        block-causal mask, `block_causal_mask`); None = causal over the whole row."""
         bsz, seqlen, _ = x.shape
         # -1 heads: under tensor parallel each rank holds only its share of the heads.
         q = self.wq(x).view(bsz, seqlen, -1, self.head_dim)
@@ -84,7 +95,10 @@ class Attention(nn.Module):
             # SDPA backend and under DTensor.
             k = k.repeat_interleave(n_rep, dim=1)
             v = v.repeat_interleave(n_rep, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if mask is None:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:  # a boolean mask: SDPA's CPU flash kernel and CUDA's efficient kernel both take it
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
 
 
@@ -101,8 +115,10 @@ class TransformerBlock(nn.Module):
             MoE(args, layer_id) if args.is_moe_layer(layer_id) else FeedForward(args.dim, args.ffn_hidden)
         )
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), cos, sin)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
+        # the mask by keyword: tensor parallel's input plan (parallel/tp.py) lays out the positional ones
+        h = x + self.attention(self.attention_norm(x), cos, sin, mask=mask)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -138,10 +154,13 @@ class Transformer(nn.Module):
         self.register_buffer("freqs_sin", sin, persistent=False)
         self.init_weights(seed)
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
+                documents: torch.Tensor | None = None) -> torch.Tensor:
         """``positions``: the sequence positions of ``tokens``' columns, (T,) or per row (B, T)
         (default 0..T-1); under context parallel a rank holds two chunks of the sequence
-        (meshrun.parallel.context), and a pipeline passes each micro-batch's rows."""
+        (meshrun.parallel.context), and a pipeline passes each micro-batch's rows.
+        ``documents`` (B, T): packed examples (meshrun.data.packing.document_ids); attention stays
+        inside each (a block-causal mask), None = causal over the whole row."""
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         seqlen = h.shape[1]
         # (a simulated step's fake positions have no values to read: meshrun.train.simulate)
@@ -155,8 +174,9 @@ class Transformer(nn.Module):
             cos, sin = self.freqs_cos[:seqlen], self.freqs_sin[:seqlen]
         else:
             cos, sin = self.freqs_cos[positions], self.freqs_sin[positions]
+        mask = None if documents is None else block_causal_mask(documents)
         for layer in self.layers.values():
-            h = layer(h, cos, sin)
+            h = layer(h, cos, sin, mask=mask)
         if self.norm is not None:
             h = self.norm(h)
         return self.output(h) if self.output is not None else h

@@ -134,20 +134,24 @@ class Pipeline:
         return any(stage.is_last for stage in self.stages)
 
     def step(self, inputs: torch.Tensor, targets: torch.Tensor, *, train: bool = True,
-             positions: torch.Tensor | None = None, token_scale: float | None = None) -> torch.Tensor:
+             positions: torch.Tensor | None = None, documents: torch.Tensor | None = None,
+             token_scale: float | None = None) -> torch.Tensor:
         """One schedule step over a whole (per dp rank) batch; returns the batch's mean loss /
         grad_accum on the rank holding the last stage and 0 elsewhere (detached).
 
         `token_scale` (masked data): each micro-batch's loss is its sum over trained targets x
         token_scale instead (meshrun.train.step.trained_token_scale), and so is what is returned.
 
-        `positions` (T,): the sequence positions of the columns (context parallel's share). Every
-        stage's forward gets them, one row per sample, split into micro-batches with the batch."""
+        `positions` (T,) or (B, T): the sequence positions of the columns (context parallel's
+        share, or packed examples'). Every stage's forward gets them, one row per sample, split into
+        micro-batches with the batch; so does it `documents` (B, T), packed examples' indices."""
         losses: list[torch.Tensor] = []
         args = (inputs,) if self.is_first else ()
         kwargs: dict = {"target": targets, "losses": losses} if self.is_last else {}
         if positions is not None:
             kwargs["positions"] = positions.expand(inputs.shape[0], -1)
+        if documents is not None:
+            kwargs["documents"] = documents
         token = _STEP_WORK.set(False)  # only the micro-batches' forwards are (MicroBatchStage)
         scale_token = _TOKEN_SCALE.set(token_scale)
         try:

@@ -33,8 +33,8 @@ __all__ = [
 
 TRAIN_KEYS = ("batch_size", "grad_accum", "dtype", "activation_checkpointing")
 """The `[train]` keys a layout depends on; every other option is a `[parallel]` key but DATA_KEYS."""
-DATA_KEYS = ("seq_len",)
-"""The `[data]` keys a layout depends on (context parallel splits the sequence)."""
+DATA_KEYS = ("seq_len", "packing")
+"""The `[data]` keys a layout depends on (context parallel splits the sequence, which packing's mask cannot follow)."""
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -77,6 +77,8 @@ class ParallelOptions:
     activation_checkpointing: bool = False
     seq_len: int = 0
     """data.seq_len; 0 = not known (its rules are skipped)."""
+    packing: bool = False
+    """data.packing."""
 
     @classmethod
     def from_sections(cls, parallel: Any, train: Any = None, data: Any = None) -> ParallelOptions:
@@ -198,6 +200,7 @@ def check_options(options: ParallelOptions) -> None:
     stated = rules.strategy_degrees(o.strategy, o.degrees)
     rules.check_context_parallel(stated["cp"], seq_len=o.seq_len)
     rules.check_expert_parallel(o.ep, dp_shard=stated["dp_shard"], cp=stated["cp"], strategy=o.strategy)
+    rules.check_packing(o.packing, cp=stated["cp"])
 
 
 def resolve_layout(options: ParallelOptions, world_size: int, model: ModelShape | None = None) -> ResolvedLayout:
@@ -209,6 +212,7 @@ def resolve_layout(options: ParallelOptions, world_size: int, model: ModelShape 
     rules.check_tp_features(dims.tp, dims.pp, options.sequence_parallel, options.loss_parallel)
     rules.check_precision(options.dtype, dims.pp, options.param_dtype)
     rules.check_context_parallel(dims.cp, seq_len=options.seq_len)
+    rules.check_packing(options.packing, cp=dims.cp)
     shape = model or ModelShape()
     rules.check_model_shape(tp=dims.tp, pp=dims.pp, world_size=world_size, n_heads=shape.n_heads,
                             n_kv_heads=shape.n_kv_heads or shape.n_heads, n_layers=shape.n_layers,

@@ -193,6 +193,18 @@ def check_context_parallel(cp: int, *, seq_len: int = 0) -> None:
                           f"{' or '.join(map(str, near))}")
 
 
+def check_packing(packing: bool, *, cp: int, factory: str = "") -> None:
+    """data.packing keeps attention inside each example with a mask built from the positions of a
+    whole row; context parallel's ring attention sees a share of the row and takes no mask, and a
+    user factory's model is not known to take one (meshrun.data.packing)."""
+    if packing and cp > 1:
+        raise ConfigError(f"data.packing=true masks attention at example boundaries, which the ring attention of "
+                          f"parallel.cp={cp} cannot; set parallel.cp=1 or data.packing=false")
+    if packing and factory:
+        raise ConfigError(f"data.packing=true needs a model that keeps attention inside each example (the built-in "
+                          f"model or model.hf); model.factory={factory!r} is not known to; set data.packing=false")
+
+
 def check_cp_model(cp: int, *, factory: str = "") -> None:
     """Context parallel gives the model the positions of this rank's tokens and runs its attention
     as a ring: the built-in model and model.hf (its attention through transformers' attention

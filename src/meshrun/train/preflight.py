@@ -15,7 +15,8 @@ value and the fix (exit 2):
     7. [fault] mode = "torchft": its layout rules, dtype, one host, and its extra
   check_with_torch     torch imported, still no process group
     8. --nproc-per-node resolves to a count
-    9. the tokenizer loads; data.path reads and holds enough tokens for a train and an eval sample
+    9. the tokenizer loads; data.path reads and holds enough tokens for a train and an eval sample;
+       data.packing: it holds examples, none longer than a sequence, and model.hf masks them apart
    10. model.factory runs and returns a torch.nn.Module (on the meta device when it can)
    11. the whole layout for this world (parallel/resolve.py), and model.hf's TP plan
    12. train.compile = true has a C++ compiler and a layout it can compile
@@ -86,8 +87,19 @@ def check_with_torch(cfg: JobConfig, *, nproc_per_node: str, nnodes: str = "1") 
         with _naming("data.path", cfg.data.path):
             tokens, prepared_val = load_data_tokens(cfg.data.path, tokenizer)  # missing or corrupt: DataError
             split_sizes(len(tokens), effective_val_fraction(cfg.data, prepared_val), cfg.data.seq_len)  # too small
+    if cfg.data.packing:  # no examples to pack (text, the built-in corpus), or one longer than a sequence
+        from meshrun.data.loader import load_examples
+        from meshrun.data.packing import pack_examples
+
+        pack_examples(load_examples(cfg.data.path), cfg.data.seq_len)
     if cfg.model.factory:
         check_factory_builds(cfg, tokenizer.vocab_size)
+    if cfg.model.hf and cfg.data.packing:  # transformers' own class decides (built on meta)
+        from meshrun.models.factory import build_model
+        from meshrun.models.meta import on_meta
+
+        with on_meta():
+            build_model(cfg.model, tokenizer.vocab_size, seed=0).check_packing()
     _check_layout(cfg, tokenizer.vocab_size, nproc_per_node, nnodes)
     experts = 0
     if not (cfg.model.factory or cfg.model.hf):  # the built-in decoder: a mixture of experts' own refusals

@@ -16,6 +16,10 @@ are averaged over. The result equals one process on the same global batch, howev
 trained tokens fall on ranks and micro-batches (a mean of per-micro-batch means would not).
 Pipeline parallel does the same inside the schedule's loss (`Pipeline.step(token_scale=...)`).
 Unmasked data keeps the per-micro-batch mean / grad_accum, bit for bit as before.
+
+Packed data (`data.packing`, meshrun.data.packing) comes as (inputs, targets, positions): the
+positions restart at each example, and the model gets them with the examples' `documents`, so
+attention stays inside each example. It is masked data (padding targets are -100), averaged as above.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from meshrun.data.packing import document_ids
 from meshrun.data.tokens import IGNORE_INDEX
 from meshrun.parallel.context import ContextParallel
 from meshrun.parallel.layout import BuiltLayout
@@ -38,11 +43,16 @@ from meshrun.train.precision import LossScaler, autocast_context
 
 
 def lm_loss(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor,
-            positions: torch.Tensor | None = None, *, reduction: str = "mean") -> torch.Tensor:
+            positions: torch.Tensor | None = None, *, documents: torch.Tensor | None = None,
+            reduction: str = "mean") -> torch.Tensor:
     """Next-token cross entropy over the positions of the batch whose target is not IGNORE_INDEX:
     their mean, or their sum (reduction="sum"); `positions` are the columns' sequence positions
-    when they are not 0..T-1 (context parallel)."""
-    logits = model(inputs) if positions is None else model(inputs, positions=positions)
+    when they are not 0..T-1 (context parallel, packed examples); `documents` (B, T): packed
+    examples, attention kept inside each."""
+    kwargs = {} if positions is None else {"positions": positions}
+    if documents is not None:
+        kwargs["documents"] = documents
+    logits = model(inputs, **kwargs)
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE_INDEX,
                            reduction=reduction)
 
@@ -56,7 +66,7 @@ def trained_token_scale(micro_batches: list[tuple[torch.Tensor, torch.Tensor]], 
     rank's batch is held by world_size / dp_size ranks (tp, pp, cp), so that many copies are summed.
     `device`: where the count travels (the backend's: NCCL all-reduces only accelerator tensors).
     """
-    count = sum(int((targets != IGNORE_INDEX).sum()) for _, targets in micro_batches)
+    count = sum(int((batch[1] != IGNORE_INDEX).sum()) for batch in micro_batches)
     if world_size > 1:
         import torch.distributed as dist
 
@@ -64,6 +74,22 @@ def trained_token_scale(micro_batches: list[tuple[torch.Tensor, torch.Tensor]], 
         dist.all_reduce(total, op=dist.ReduceOp.SUM)
         count = round(float(total.item())) // (world_size // dp_size)
     return grad_ranks / max(count, 1)
+
+
+def batch_on(batch: tuple, device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(inputs, targets, packed positions or None) of a loader's batch, on `device`."""
+    inputs, targets, *packed = batch
+    return (inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True),
+            packed[0].to(device, non_blocking=True) if packed else None)
+
+
+def packed_inputs(packed: torch.Tensor | None, positions: torch.Tensor | None
+                  ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(positions, documents) for the model: a packed batch's own positions and examples, or
+    `positions` (context parallel's, or None) and no documents (context parallel refuses packing)."""
+    if packed is None:
+        return positions, None
+    return packed, document_ids(packed)
 
 
 def sequence_context(cp: ContextParallel | None, inputs: torch.Tensor, targets: torch.Tensor):
@@ -137,20 +163,21 @@ def train_step(
     total = torch.zeros((), device=device)
     forward_s = 0.0
     for micro in range(grad_accum):
-        inputs, targets = next(batches)
-        inputs, targets = inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
+        inputs, targets, packed = batch_on(next(batches), device)
         last = micro == grad_accum - 1
         if hasattr(model, "set_requires_gradient_sync"):  # FSDP2: reduce-scatter on the last only
             model.set_requires_gradient_sync(last)
         sync = contextlib.nullcontext() if last or not hasattr(model, "no_sync") else model.no_sync()
         with sync, sequence_context(context_parallel, inputs, targets) as (inputs, targets, positions):
             started = time.perf_counter()
+            positions, documents = packed_inputs(packed, positions)
             with _loss_parallel_context(loss_parallel):
                 with autocast_context(device, dtype):
                     if token_scale is None:
-                        loss = lm_loss(model, inputs, targets, positions) / grad_accum
+                        loss = lm_loss(model, inputs, targets, positions, documents=documents) / grad_accum
                     else:
-                        loss = lm_loss(model, inputs, targets, positions, reduction="sum") * token_scale
+                        loss = lm_loss(model, inputs, targets, positions, documents=documents,
+                                       reduction="sum") * token_scale
                 forward_s += time.perf_counter() - started
                 (scaler.scale(loss) if scaler is not None else loss).backward()
         if isinstance(loss, DTensor):
@@ -199,11 +226,12 @@ def train_step_pp(
     total = torch.zeros((), device=device)
     started = time.perf_counter()
     for _ in range(grad_accum):
-        inputs, targets = next(batches)
-        inputs, targets = inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
+        inputs, targets, packed = batch_on(next(batches), device)
         with sequence_context(context_parallel, inputs, targets) as (inputs, targets, positions), \
                 autocast_context(device, dtype):
-            total += pipeline.step(inputs, targets, positions=positions, token_scale=token_scale)
+            positions, documents = packed_inputs(packed, positions)
+            total += pipeline.step(inputs, targets, positions=positions, documents=documents,
+                                   token_scale=token_scale)
     step_s = time.perf_counter() - started
     params = [p for part in pipeline.parts for p in part.parameters() if p.grad is not None]
     if grad_clip <= 0 and not need_grad_norm:
@@ -228,15 +256,18 @@ def evaluate_pp(pipeline, batches, *, steps: int, device: torch.device, dtype: s
         part.eval()
     total, count = torch.zeros((), device=device), 0
     full = None
-    for i, (inputs, targets) in enumerate(batches):
+    for i, batch in enumerate(batches):
         if i >= steps:
             break
+        inputs, targets, packed = batch_on(batch, device)
         full = full or inputs.shape[0]
         if inputs.shape[0] != full:
             break
-        split = sequence_context(context_parallel, inputs.to(device), targets.to(device))
+        split = sequence_context(context_parallel, inputs, targets)
         with split as (inputs, targets, positions), autocast_context(device, dtype):
-            total += pipeline.step(inputs, targets, train=False, positions=positions) * pipeline.grad_accum
+            positions, documents = packed_inputs(packed, positions)
+            total += pipeline.step(inputs, targets, train=False, positions=positions,
+                                   documents=documents) * pipeline.grad_accum
         count += 1
     for part in pipeline.parts:
         part.train()
@@ -253,13 +284,16 @@ def evaluate(model: nn.Module, batches, *, steps: int, device: torch.device, dty
     was_training = model.training
     model.eval()
     total, count = torch.zeros((), device=device), 0
-    for i, (inputs, targets) in enumerate(batches):
+    for i, batch in enumerate(batches):
         if i >= steps:
             break
-        split = sequence_context(context_parallel, inputs.to(device), targets.to(device))
+        inputs, targets, packed = batch_on(batch, device)
+        split = sequence_context(context_parallel, inputs, targets)
         with split as (inputs, targets, positions), _loss_parallel_context(loss_parallel), \
                 autocast_context(device, dtype):
-            loss = lm_loss(model, inputs, targets, positions, reduction="sum" if masked else "mean")
+            positions, documents = packed_inputs(packed, positions)
+            loss = lm_loss(model, inputs, targets, positions, documents=documents,
+                           reduction="sum" if masked else "mean")
         total += loss.full_tensor() if isinstance(loss, DTensor) else loss
         count += int((targets != IGNORE_INDEX).sum()) if masked else 1
     model.train(was_training)
@@ -268,7 +302,7 @@ def evaluate(model: nn.Module, batches, *, steps: int, device: torch.device, dty
     return total / max(count, 1)
 
 
-Batches = Iterator[tuple[torch.Tensor, torch.Tensor]]
+Batches = Iterator[tuple[torch.Tensor, ...]]  # (inputs, targets), or (inputs, targets, positions) packed
 
 
 def layout_step(layout: BuiltLayout, optimizers: list[torch.optim.Optimizer], batches: Batches, *,

@@ -225,6 +225,8 @@ def _setup(cfg: JobConfig, env: DistEnv, run_dir: Path) -> _Run:
     memory = MemoryMarks()  # the torch runtime, before anything of the model exists
     tokenizer = load_tokenizer(cfg.data.tokenizer)
     model = build_meta_model(cfg.model, tokenizer.vocab_size, seed=tcfg.seed)
+    if cfg.data.packing and hasattr(model, "check_packing"):  # model.hf: transformers must mask examples apart
+        model.check_packing()
     meta = is_meta(model)
     if cfg.model.init_from:  # names and shapes, before any weight is allocated
         check_init_from(cfg.model.init_from, lambda built=model: built)
