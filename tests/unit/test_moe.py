@@ -129,6 +129,40 @@ def test_aux_loss_gradient_reaches_the_router_alone():
         assert last is None or last.abs().sum() == 0
 
 
+def test_grad_accum_trains_on_the_mean_balance_loss_as_one_batch_does():
+    """The balance loss's gradient is divided by the forwards of a step (MoEStats sets it), as the
+    training loss is: 2 micro-batches of 2 sequences give one batch of 4's gradients (the balance
+    loss is a mean over sequences). Undivided, the balance term counted twice (checked: it differs)."""
+    from meshrun.train.step import train_step
+
+    tokens = torch.randint(0, 64, (4, 9), generator=torch.Generator().manual_seed(3))
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    args = moe_args(moe_balance="aux_loss", moe_aux_coef=1.0)
+
+    def gradients(grad_accum: int, divide: bool) -> dict[str, torch.Tensor]:
+        model = Transformer(args, seed=0)
+        MoEStats.of([model], args, forwards_per_step=grad_accum if divide else 1)
+        seen = {}
+
+        class Recording(torch.optim.SGD):  # the step's gradients, before train_step clears them
+            def step(self, closure=None):
+                seen.update((name, p.grad.clone()) for name, p in model.named_parameters() if p.grad is not None)
+
+        rows = 4 // grad_accum
+        batches = iter([(inputs[i:i + rows], targets[i:i + rows]) for i in range(0, 4, rows)])
+        train_step(model, Recording(model.parameters(), lr=0.0), batches, grad_accum=grad_accum,
+                   device=torch.device("cpu"), dtype="fp32", grad_clip=0.0)
+        assert len(seen) > 10, seen.keys()
+        return seen
+
+    whole, split, undivided = gradients(1, True), gradients(2, True), gradients(2, False)
+    assert whole.keys() == split.keys()
+    for name in whole:
+        torch.testing.assert_close(split[name], whole[name], atol=1e-6, rtol=1e-5, msg=name)
+    gate = "layers.0.feed_forward.router.gate.weight"
+    assert (undivided[gate] - whole[gate]).abs().max() > 1e-3
+
+
 def test_step_stats_count_each_token_once_even_when_recomputed():
     model = Transformer(moe_args(moe_balance="aux_loss"), seed=0)
     moe = model.layers["0"].feed_forward

@@ -133,6 +133,10 @@ class MoE(nn.Module):
         # This step's totals (STATS after the loads): a plain attribute, not a buffer, so that DDP
         # does not broadcast rank 0's over the others' at every forward.
         self.step_stats: torch.Tensor | None = None
+        # Forwards of this block per optimizer step (grad_accum x pipeline micro-batches; set by
+        # meshrun.train.moe_stats): the balance loss's gradient is divided by it, as the training
+        # loss is, so that the step trains on the mean balance loss over its micro-batches.
+        self.forwards_per_step = 1
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, seq, dim = x.shape
@@ -152,7 +156,7 @@ class MoE(nn.Module):
         if self.training and self.balance == "aux_loss":
             aux = balance_loss(scores, indices, batch)
             if self.aux_coef:
-                out = _AddAuxiliaryLoss.apply(out, aux * self.aux_coef)
+                out = _AddAuxiliaryLoss.apply(out, aux * (self.aux_coef / self.forwards_per_step))
         # Count each micro-batch once: activation checkpointing runs this forward again inside
         # backward, and torch's pipeline runs it on its own to infer shapes.
         if self.training and torch._C._current_graph_task_id() == -1 and forward_is_step_work():

@@ -23,9 +23,11 @@ from meshrun.models.moe import EXPERT_COMPUTE, STATS, MoE, moe_metrics
 class MoEStats:
     """This rank's MoE blocks, addressed by their place among every MoE block of the model."""
 
-    def __init__(self, parts: list[nn.Module], args) -> None:
+    def __init__(self, parts: list[nn.Module], args, forwards_per_step: int = 1) -> None:
         self.layer_ids = [i for i in range(args.n_layers) if args.is_moe_layer(i)]
         self.local = {m.layer_id: m for part in parts for m in part.modules() if isinstance(m, MoE)}
+        for block in self.local.values():
+            block.forwards_per_step = forwards_per_step
         self.experts = args.experts
         self.update_bias = args.moe_balance == "bias"
         self.describe = (f"mixture of experts: {args.experts} experts (top {args.experts_per_token}, "
@@ -33,11 +35,13 @@ class MoEStats:
                          f"balance {args.moe_balance!r}; the experts compute as {EXPERT_COMPUTE}")
 
     @classmethod
-    def of(cls, parts: list[nn.Module], args) -> MoEStats | None:
-        """None for a dense model (or one that is not the built-in decoder)."""
+    def of(cls, parts: list[nn.Module], args, forwards_per_step: int = 1) -> MoEStats | None:
+        """None for a dense model (or one that is not the built-in decoder). `forwards_per_step`:
+        each block's forwards per optimizer step (grad_accum x pipeline micro-batches), which
+        divides the balance loss's gradient as the training loss is divided."""
         if not getattr(args, "experts", 0):
             return None
-        return cls(parts, args)
+        return cls(parts, args, forwards_per_step)
 
     def after_step(self, log_now: bool, device: torch.device, group=None) -> dict[str, float] | None:
         """Sum this step's totals over the ranks (on every rank, on the same steps), move the
