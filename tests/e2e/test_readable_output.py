@@ -11,7 +11,7 @@ import signal
 import subprocess
 import time
 
-from conftest import BIN, child_env, meshrun
+from conftest import BIN, TINY, child_env, meshrun
 
 from meshrun.testing.processes import group_members
 
@@ -152,3 +152,11 @@ def test_debug_collectives_runs_a_plain_script_cleanly(tmp_path):
     assert result.returncode == 0, out
     assert "[rank 0] rank 0 sum 32.0" in out and "[rank 1] rank 1 sum 32.0" in out, out
     assert "DistNetworkError" not in out and "frame #" not in out and "Traceback" not in out, out
+
+
+def test_a_reader_that_leaves_early_is_no_error():
+    """`meshrun config show ... | true`: the reader is gone before meshrun prints; exit 0 and no
+    traceback (BrokenPipeError is an OSError, whose own branch once re-raised it)."""
+    proc = subprocess.run(["bash", "-c", f'"{BIN / "meshrun"}" config show "$0" | true; echo "exit=${{PIPESTATUS[0]}}"',
+                           TINY], env=child_env(), capture_output=True, text=True, timeout=120)
+    assert proc.stdout.strip() == "exit=0" and "Traceback" not in proc.stderr, (proc.stdout, proc.stderr)

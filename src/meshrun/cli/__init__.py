@@ -172,6 +172,10 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"meshrun {name}: interrupted", file=sys.stderr)
         return INTERRUPTED_EXIT
+    except BrokenPipeError:  # `meshrun diagnose --json | head`: the reader left; not an error of ours
+        # (before OSError, its base class, whose branch re-raised it as a traceback)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     except OSError as exc:  # a file the command could not read or write, that no check caught first
         if exc.filename is None:
             raise
@@ -183,8 +187,5 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         print(f"meshrun {name}: error: {shown(exc.filename)}: {exc.strerror or exc}", file=sys.stderr)
         return 1 if exc.errno in MACHINE_ERRNOS else 2
-    except BrokenPipeError:  # `meshrun diagnose --json | head`: the reader left; not an error of ours
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 0
     finally:
         restore()
