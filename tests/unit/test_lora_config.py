@@ -40,3 +40,18 @@ def test_lora_targets_and_extra():
     assert LoraSection(rank=4, targets="wq, wv").target_names == ("wq", "wv")
     assert missing_extra_message("peft", "lora.rank=4") == "lora.rank=4 needs peft: pip install 'meshrun[lora]'"
 
+
+
+def test_a_resume_on_other_base_weights_is_one_line():
+    from types import SimpleNamespace
+
+    from meshrun.checkpoint.manifest import CheckpointError
+    from meshrun.checkpoint.state import check_base
+
+    check_base(SimpleNamespace(base_fingerprint="ab12"), {"base_fingerprint": "ab12"}, "ckpt")  # the same base
+    check_base(SimpleNamespace(base_fingerprint=None), {}, "ckpt")  # neither is a LoRA run
+    for now, saved in (("cd34", "ab12"), (None, "ab12"), ("cd34", None)):
+        with pytest.raises(CheckpointError) as err:
+            check_base(SimpleNamespace(base_fingerprint=now), {"base_fingerprint": saved}, "ckpt")
+        assert str(err.value).startswith("ckpt was trained on base weights with fingerprint ")
+        assert "\n" not in str(err.value) and "checkpoint.resume=never" in str(err.value)

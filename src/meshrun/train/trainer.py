@@ -208,7 +208,7 @@ def _loop(run: _Run, cfg: JobConfig, env: DistEnv, run_dir: Path, profiler: Step
     run.memory.mark_trained()
 
     with phase("final weights"):
-        weights = save_final_weights(layout, run_dir, env)
+        weights = save_final_weights(layout, run_dir, env, adapters_only=cfg.lora.enabled)
     if env.is_main:  # after model.pt: the run is finished, and a restarted worker will not redo it
         write_finished(run_dir, tcfg.steps)
     run.memory.mark_end()

@@ -184,6 +184,10 @@ def _load_run(transformers, path: Path) -> Loaded:
     from meshrun.trained.model_source import open_source
 
     source = open_source(path)
+    from meshrun.trained.lora import has_adapters, merged
+
+    if has_adapters(source):  # a LoRA run: its base with the adapters merged in
+        source = merged(source)
     plan = plan_for(source.specs, source.config, token_ids(source.config))
     tokenizer = load_tokenizer(tokenizer_spec(source.config))
     config = dict(plan.config)
