@@ -175,7 +175,7 @@ def _with_adapter(model: torch.nn.Module, adapter: Path) -> torch.nn.Module:
     if not (adapter / "adapter_config.json").is_file():
         raise ConfigError(f"--adapter {adapter}: no adapter_config.json there; give a directory written by "
                           "`meshrun ckpt export CKPT --format peft` or peft's save_pretrained")
-    return peft.PeftModel.from_pretrained(model, str(adapter)).merge_and_unload().eval()
+    return peft.PeftModel.from_pretrained(model, str(adapter), trust_remote_code=False).merge_and_unload().eval()
 
 
 def _load_hf_dir(transformers, path: Path) -> Loaded:
