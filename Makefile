@@ -44,7 +44,7 @@ $(STAMP): pyproject.toml
 	@touch $@
 
 $(DEV_STAMP): $(STAMP)
-	$(BIN)/pip install --quiet --disable-pip-version-check -e '.[dev,report,hf,trackers,torchft,ray]'
+	$(BIN)/pip install --quiet --disable-pip-version-check -e '.[dev,report,hf,trackers,torchft,ray,lora]'
 	@touch $@
 
 clean:

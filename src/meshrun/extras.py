@@ -15,7 +15,8 @@ HF_EXTRA = "meshrun[hf]"
 EXTRA_OF = {"pyarrow": HF_EXTRA, "accelerate": HF_EXTRA, "datasets": HF_EXTRA, "tokenizers": HF_EXTRA, "transformers": HF_EXTRA,
             "safetensors": HF_EXTRA, "tensorboard": "meshrun[tensorboard]", "mlflow": "meshrun[mlflow]",
             "wandb": "meshrun[wandb]", "trackio": "meshrun[trackio]",
-            "torchft": "meshrun[torchft]", "yaml": "meshrun[kubernetes]", "ray": "meshrun[ray]"}
+            "torchft": "meshrun[torchft]", "yaml": "meshrun[kubernetes]", "ray": "meshrun[ray]",
+            "peft": "meshrun[lora]"}
 
 
 def missing_extra_message(module: str, purpose: str) -> str:

@@ -50,7 +50,7 @@ def write(tmp_path: Path, text: str, name: str = "job.toml") -> Path:
 
 def test_sections_have_a_doc_on_every_field_and_are_frozen():
     assert list(SECTIONS) == [
-        "model", "data", "train", "optim", "parallel", "checkpoint", "metrics", "launch", "fault",
+        "model", "data", "train", "optim", "parallel", "checkpoint", "metrics", "launch", "fault", "lora",
     ]
     for cls in SECTIONS.values():
         for f in dataclasses.fields(cls):

@@ -41,6 +41,7 @@ from meshrun.checkpoint.state import (
     TrainState,
     apply_tensor_state,
     apply_train_state,
+    check_base,
     rng_state,
     set_rng_state,
     tensor_state,
@@ -116,8 +117,9 @@ class Checkpointer:
 
     def _load(self, path: Path, state: TrainState) -> None:
         tensors = tensor_state(state)
-        check_fits(path, _whole_model_shapes(tensors["model"]))  # before anything of it is loaded
         saved = torch.load(path / mf.TRAIN_STATE, weights_only=True)
+        check_base(state, saved, path)  # a LoRA run's base weights: before the shapes, which it explains
+        check_fits(path, _whole_model_shapes(tensors["model"]))  # before anything of it is loaded
         safe_load.load(tensors, path)
         apply_tensor_state(state, tensors)
         apply_train_state(state, saved)

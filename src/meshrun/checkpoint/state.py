@@ -55,13 +55,27 @@ class TrainState:
     step: int = 0
     extra: dict = field(default_factory=dict)  # small picklable items to carry (e.g. losses so far)
     scaler: object | None = None  # fp16's gradient scaler (meshrun.train.precision.LossScaler), or None
+    # LoRA (meshrun.models.lora): only the trainable parameters are saved and loaded, the frozen
+    # base is rebuilt from its source; its fingerprint must match the checkpoint's on resume.
+    adapters_only: bool = False
+    base_fingerprint: str | None = None
+
+
+def _own_names(part: nn.Module, adapters_only: bool) -> set[str] | None:
+    """The state dict names a checkpoint keeps of `part`: None = all, else its trainable ones."""
+    if not adapters_only:
+        return None
+    from meshrun.models.lora import trainable_names
+
+    return trainable_names(part)
 
 
 def tensor_state(state: TrainState) -> dict:
     """{"model": {fqn: tensor}, "optim": {flat key: tensor or value}} over every model part."""
     model, optim = {}, {}
     for part, opt in zip(state.model_parts, state.optimizers, strict=True):
-        model.update(get_model_state_dict(part))
+        keep = _own_names(part, state.adapters_only)
+        model.update({k: v for k, v in get_model_state_dict(part).items() if keep is None or k in keep})
         optim.update(get_optimizer_state_dict(part, inner_optimizers(opt), options=_OPTIM))
     return {"model": model, "optim": optim}
 
@@ -69,8 +83,10 @@ def tensor_state(state: TrainState) -> dict:
 def apply_tensor_state(state: TrainState, loaded: dict) -> None:
     """Copy loaded (resharded) tensors back into every model part and optimizer."""
     for part, opt in zip(state.model_parts, state.optimizers, strict=True):
-        own = get_model_state_dict(part)
-        set_model_state_dict(part, {k: loaded["model"][k] for k in own})
+        keep = _own_names(part, state.adapters_only)
+        own = [k for k in get_model_state_dict(part) if keep is None or k in keep]
+        set_model_state_dict(part, {k: loaded["model"][k] for k in own},
+                             options=StateDictOptions(strict=keep is None))
         set_optimizer_state_dict(part, inner_optimizers(opt), loaded["optim"], options=_OPTIM)
 
 
@@ -84,7 +100,19 @@ def train_state(state: TrainState, *, layout: dict, config_toml: str) -> dict:
         "config": config_toml,
         "extra": dict(state.extra),
         "scaler": state.scaler.state_dict() if state.scaler is not None else None,
+        "base_fingerprint": state.base_fingerprint,
     }
+
+
+def check_base(state: TrainState, saved: dict, path) -> None:
+    """A LoRA checkpoint resumes only on the base weights it was trained on (one line otherwise)."""
+    from meshrun.checkpoint.manifest import CheckpointError
+
+    before, now = saved.get("base_fingerprint"), state.base_fingerprint
+    if before != now:
+        raise CheckpointError(f"{path} was trained on base weights with fingerprint {before or 'none (no LoRA)'}, "
+                              f"this run's base has {now or 'none (lora.rank=0)'}: resume on the same model.hf / "
+                              "model.init_from / train.seed, or set checkpoint.resume=never")
 
 
 def apply_train_state(state: TrainState, saved: dict) -> None:

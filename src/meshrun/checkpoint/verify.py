@@ -60,11 +60,12 @@ def check_fits(path: Path, model_state: Mapping[str, torch.Tensor | tuple[int, .
         raise CheckpointError(f"checkpoint {path} does not fit this model: {diff}; {_FIX}")
 
 
-def check_resume(resume: str, build_model: Callable[[], nn.Module]) -> None:
+def check_resume(resume: str, build_model: Callable[[], nn.Module], *, adapters_only: bool = False) -> None:
     """Before any worker starts: `checkpoint.resume` = PATH must be a valid checkpoint of this model's shape.
 
     `build_model()` builds the model to train; it runs on the meta device (shapes only, no memory)
     and only when `resume` names a checkpoint ('auto' and 'never' need no check).
+    `adapters_only` (LoRA, models/lora.py): the checkpoint holds the trainable parameters only.
     """
     if resume in ("auto", "never"):
         return
@@ -82,4 +83,8 @@ def check_resume(resume: str, build_model: Callable[[], nn.Module]) -> None:
         raise CheckpointError(f"--resume {resume}: {bad}; pick another with `meshrun ckpt list`")
     with torch.device("meta"):
         model = build_model()
-    check_fits(path, model.state_dict())
+    state = model.state_dict()
+    params = dict(model.named_parameters())
+    if adapters_only:
+        state = {name: t for name, t in state.items() if name in params and params[name].requires_grad}
+    check_fits(path, state)

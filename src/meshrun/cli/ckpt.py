@@ -4,6 +4,8 @@
     meshrun ckpt inspect runs/tiny/checkpoints/step-00000020      # layout, tensors, shapes, bytes
     meshrun ckpt export runs/tiny/checkpoints/step-00000020 --format safetensors model.safetensors
     meshrun ckpt export runs/tiny/checkpoints/step-00000020 --format hf hf/tiny   # from_pretrained(hf/tiny)
+    meshrun ckpt export runs/lora/checkpoints/step-00000020 --format peft adapter  # a LoRA run's adapters
+    meshrun ckpt export runs/lora/checkpoints/step-00000020 --format hf --merge hf/merged
 
 An exported file loads into the plain (unwrapped) model with `load_state_dict`, and
 `--set model.init_from=FILE` starts a new training run from it.
@@ -36,9 +38,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("export", help="write the model as one consolidated file, or a Hugging Face directory")
     p.add_argument("ckpt", help="checkpoint directory (--format hf: also a run directory)")
     p.add_argument("out", help="output file, e.g. model.safetensors; --format hf: a new directory")
-    p.add_argument("--format", default="safetensors", choices=("safetensors", "torch", "hf"),
-                   help="safetensors (default), torch (torch.save of a state_dict), or hf (a directory that "
-                   "transformers' from_pretrained loads)")
+    p.add_argument("--format", default="safetensors", choices=("safetensors", "torch", "hf", "peft"),
+                   help="safetensors (default), torch (torch.save of a state_dict), hf (a directory that "
+                   "transformers' from_pretrained loads), or peft (a LoRA run's adapters: a directory that "
+                   "peft's PeftModel.from_pretrained(base, OUT) loads)")
+    p.add_argument("--merge", action="store_true",
+                   help="--format hf of a LoRA run: its base with the adapters merged in")
     p.add_argument("--max-shard-size", default=None, metavar="SIZE",
                    help=f"--format hf only: the largest safetensors shard, e.g. {HF_SHARD_DEFAULT} (default), "
                    "500MB, 1GiB")
@@ -108,6 +113,11 @@ def main(argv: list[str]) -> int:
         return _inspect(Path(args.ckpt), args.json)
     if args.format == "hf":
         return _export_hf(args)
+    if args.merge:
+        raise ConfigError(f"--merge: only --format hf merges a LoRA run's adapters into its base; "
+                          f"--format {args.format} does not, drop the flag")
+    if args.format == "peft":
+        return _export_peft(args)
     if args.max_shard_size is not None:
         raise ConfigError(f"--max-shard-size {args.max_shard_size}: only --format hf writes shards; "
                           f"--format {args.format} writes one file, drop the flag")
@@ -130,8 +140,19 @@ def _export_hf(args: argparse.Namespace) -> int:
     from meshrun.trained.export_hf import export_hf
 
     done = export_hf(Path(args.ckpt), Path(args.out), max_shard_size=args.max_shard_size or HF_SHARD_DEFAULT,
-                     force=args.force)
+                     force=args.force, merge=args.merge)
     print(f"wrote {done['out']}: {done['tensors']} tensors in {done['shards']} shard(s), "
           f"{human_bytes(done['bytes'])}; load it with transformers.AutoModelForCausalLM.from_pretrained"
           f"({done['out']!r})", file=sys.stderr)
+    return 0
+
+
+def _export_peft(args: argparse.Namespace) -> int:
+    if args.max_shard_size is not None:
+        raise ConfigError(f"--max-shard-size {args.max_shard_size}: only --format hf writes shards; drop the flag")
+    from meshrun.trained.lora import export_peft
+
+    done = export_peft(Path(args.ckpt), Path(args.out), force=args.force)
+    print(f"wrote {done['out']}: {done['tensors']} adapter tensors on {', '.join(done['targets'])}; load them with "
+          f"peft.PeftModel.from_pretrained(base, {done['out']!r})", file=sys.stderr)
     return 0

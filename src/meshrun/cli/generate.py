@@ -3,6 +3,7 @@
     meshrun generate runs/tiny --prompt "The "                        # model.pt, else the latest checkpoint
     meshrun generate runs/tiny/checkpoints/step-00000020 --prompt "The " --temperature 0   # greedy
     meshrun generate hf/tiny --prompt "The " --top-k 50 --top-p 0.9 --seed 7   # an HF directory
+    meshrun generate hf/base --adapter adapter --chat --prompt "Hello"   # a peft adapter, the chat template
 
 Prints the prompt and its continuation to stdout. The same seed gives the same text. A checkpoint
 of any layout (FSDP, TP, PP, ...) is read without a process group. Needs transformers:
@@ -33,6 +34,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--top-p", type=float, default=1.0, metavar="P",
                         help="sample among the likeliest tokens holding P of the probability; 1 = off")
     parser.add_argument("--seed", type=int, default=0, help="sampling seed: the same seed gives the same text")
+    parser.add_argument("--chat", action="store_true",
+                        help="the prompt is a user's message, rendered by the tokenizer's chat template")
+    parser.add_argument("--adapter", metavar="DIR", default=None,
+                        help="a peft adapter directory (ckpt export --format peft) to merge into an HF model directory")
     return parser
 
 
@@ -46,7 +51,7 @@ def main(argv: list[str]) -> int:
     from meshrun.trained.generate import Sampler, generate_text, load
 
     sampler = Sampler(args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed)
-    loaded = load(Path(args.path))
-    text = generate_text(loaded, args.prompt, sampler)
+    loaded = load(Path(args.path), Path(args.adapter) if args.adapter else None)
+    text = generate_text(loaded, args.prompt, sampler, chat=args.chat)
     sys.stdout.write(text + ("" if text.endswith("\n") else "\n"))
     return 0

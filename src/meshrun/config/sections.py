@@ -12,6 +12,7 @@ from dataclasses import dataclass, field, fields
 
 from meshrun.config.base import Section, doc_field, fmt
 from meshrun.config.fault_section import FaultSection
+from meshrun.config.lora_section import LoraSection
 from meshrun.config.trackers import check_tracker_names, tracker_names
 from meshrun.errors import ConfigError
 from meshrun.parallel.resolve import DTYPE_NAMES, ParallelOptions, check_options, stated_degrees
@@ -19,6 +20,7 @@ from meshrun.parallel.rules import (
     check_context_parallel,
     check_cp_model,
     check_ep_model,
+    check_lora,
     check_optimizer_shards,
     check_packing,
     shards_parameters,
@@ -315,6 +317,7 @@ class JobConfig:
     metrics: MetricsSection = field(default_factory=MetricsSection, metadata={"doc": MetricsSection.__doc__})
     launch: LaunchSection = field(default_factory=LaunchSection, metadata={"doc": LaunchSection.__doc__})
     fault: FaultSection = field(default_factory=FaultSection, metadata={"doc": FaultSection.__doc__})
+    lora: LoraSection = field(default_factory=LoraSection, metadata={"doc": LoraSection.__doc__})
 
     def __post_init__(self) -> None:
         for name, cls in SECTIONS.items():
@@ -328,6 +331,7 @@ class JobConfig:
         check_cp_model(degrees["cp"], factory=model.factory)
         check_ep_model(self.parallel.ep, hf=model.hf, factory=model.factory)
         check_packing(data.packing, cp=degrees["cp"], factory=model.factory)
+        check_lora(self.lora.rank, degrees["tp"], degrees["pp"])
         if model.max_seq_len and data.seq_len > model.max_seq_len:
             raise ConfigError(
                 f"data.seq_len ({data.seq_len}) must be <= model.max_seq_len ({model.max_seq_len}); "
@@ -345,5 +349,6 @@ SECTIONS: dict[str, type[Section]] = {
     "metrics": MetricsSection,
     "launch": LaunchSection,
     "fault": FaultSection,
+    "lora": LoraSection,
 }
 assert list(SECTIONS) == [f.name for f in fields(JobConfig)], "SECTIONS must list JobConfig's fields in order"

@@ -103,6 +103,10 @@ class ChatRenderer:
             first = (str(exc).splitlines() or [type(exc).__name__])[0]
             raise DataError(f"{where}: the chat template refuses the conversation ({first[:200]})") from None
 
+    def prompt(self, messages: list[dict], *, where: str) -> str:
+        """The conversation rendered up to the assistant's next turn (`meshrun generate --chat`)."""
+        return self._render(messages, generation_prompt=True, where=where)
+
     def chat(self, messages: list[dict], *, where: str, train_on: str) -> tuple[list[int], list[int]]:
         """(ids, mask) of one conversation: mask 1 on assistant turns (every token under train_on="prompt")."""
         if train_on == "assistant" and not any(m["role"] == "assistant" and m["content"] for m in messages):

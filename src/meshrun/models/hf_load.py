@@ -29,7 +29,8 @@ def hf_state_dict(parts: list[nn.Module]) -> dict:
     """The parts' parameters keyed by HF checkpoint names (each part's own `parts.prefixes`,
     models/hf.py); a tied output projection is left out (it is the embedding's tensor, and HF
     checkpoints do not store `lm_head.weight` then), and so is a head untied by
-    model.tie_embeddings=false (the files hold none: `head_from_embedding` loads it)."""
+    model.tie_embeddings=false (the files hold none: `head_from_embedding` loads it). LoRA layers
+    (models/lora.py) give their base weight its HF name and keep their adapters out."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
     state: dict = {}
@@ -38,9 +39,9 @@ def hf_state_dict(parts: list[nn.Module]) -> dict:
         prefixes = inner.parts.prefixes if hasattr(inner, "parts") else _PREFIXES
         skip_head = getattr(inner, "tied", False) or getattr(inner, "head_from_embedding", False)
         for name, tensor in get_model_state_dict(part).items():
-            if skip_head and name == "output.weight":
+            if (skip_head and name == "output.weight") or ".lora_" in name:  # LoRA adapters: not in the files
                 continue
-            state[to_hf_key(name, prefixes)] = tensor
+            state[to_hf_key(name.replace(".base_layer.", "."), prefixes)] = tensor  # a LoRA layer's base
     return state
 
 

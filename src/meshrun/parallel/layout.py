@@ -67,17 +67,23 @@ class BuiltLayout:
         for part in self.parts:
             part.train()
 
-    def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+    def load_full_state_dict(self, state: dict[str, torch.Tensor], *, lora: bool = False) -> None:
         """Copy full (unsharded) tensors keyed by the original names into this rank's parts.
 
         Each rank keeps only its own slices (DTensor parameters take their local shard without
         communication) and each pipeline stage only its own names, so it needs no collective.
+        `lora`: the parts carry LoRA layers (`wq.base_layer.weight`) and `state` is the base's
+        (`wq.weight`); the adapters are left as they are.
         """
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
         for part in self.parts:
-            own = {k: state[k] for k in _state_names(part)}
-            set_model_state_dict(part, own, options=StateDictOptions(full_state_dict=True))
+            names = _state_names(part)
+            if lora:
+                own = {k: state[k.replace(".base_layer.", ".")] for k in names if ".lora_" not in k}
+            else:
+                own = {k: state[k] for k in names}
+            set_model_state_dict(part, own, options=StateDictOptions(full_state_dict=True, strict=not lora))
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Full plain CPU tensors of the whole model on rank 0 ({} elsewhere); every rank calls it.

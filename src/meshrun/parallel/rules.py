@@ -386,3 +386,15 @@ def check_replica_groups(mode: str, strategy: str, tp: int, pp: int, cp: int = 1
         if value != 1:
             raise ConfigError(f"{mode} runs data-parallel replica groups only, got {key} = {value}; "
                               f"set {key} = 1, or fault.mode = 'exact'")
+
+
+def check_lora(rank: int, tp: int, pp: int) -> None:
+    """LoRA adapters (lora.rank > 0) train under data parallel (DDP, FSDP, HSDP): peft's LoRA layers
+    are plain modules beside the base weight, which tensor parallel's plans do not split and a
+    pipeline split does not name."""
+    if rank <= 0:
+        return
+    for key, degree in (("tp", tp), ("pp", pp)):
+        if degree > 1:
+            raise ConfigError(f"parallel.{key}={degree} with lora.rank={rank}: LoRA trains under data parallel "
+                              f"only (ddp, fsdp, hsdp); set parallel.{key}=1 or lora.rank=0")

@@ -40,14 +40,19 @@ def layout_record(cfg: JobConfig, dp_size: int) -> dict:
     return {"strategy": p.strategy, "dp": dp_size, "dp_shard": p.dp_shard, "cp": p.cp, "tp": p.tp, "pp": p.pp, "ep": p.ep}
 
 
-def save_final_weights(layout: BuiltLayout, run_dir: Path, env: DistEnv) -> Path | None:
+def save_final_weights(layout: BuiltLayout, run_dir: Path, env: DistEnv, *, adapters_only: bool = False) -> Path | None:
     """Rank 0 saves the whole unwrapped model's state_dict once: plain torch loads it with weights_only.
 
     With FSDP/TP/PP the shards and stages are gathered first (collectives on every rank).
+    `adapters_only` (LoRA): only the adapters are saved; the base is the run's config's (trained/lora.py).
     """
     state = layout.full_state_dict()
     if not env.is_main:
         return None
+    if adapters_only:
+        from meshrun.models.lora import is_adapter
+
+        state = {k: v for k, v in state.items() if is_adapter(k)}
     path = run_dir / WEIGHTS_FILE
     tmp = path.with_suffix(".pt.tmp")
     try:

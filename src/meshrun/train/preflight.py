@@ -12,7 +12,8 @@ value and the fix (exit 2):
     4. model.hf: a directory with a readable, supported config.json, and data.seq_len within it
     5. model.factory names a module that can be found (not run) outside the standard library
     6. the model fits this node's memory by `meshrun plan`'s estimate
-    7. [fault] mode = "torchft": its layout rules, dtype, one host, and its extra
+    7. [fault] mode = "torchft": its layout rules, dtype, one host, and its extra;
+       lora.rank > 0: its extra (peft)
   check_with_torch     torch imported, still no process group
     8. --nproc-per-node resolves to a count
     9. the tokenizer loads; data.path reads and holds enough tokens for a train and an eval sample;
@@ -71,6 +72,8 @@ def check_before_torch(cfg: JobConfig, *, nproc_per_node: str = "auto", nnodes: 
     else:
         check_memory(cfg, nproc_per_node=nproc_per_node, nnodes=nnodes)
     check_fault(cfg, nnodes=nnodes)
+    if cfg.lora.enabled and importlib.util.find_spec("peft") is None:
+        raise ConfigError(missing_extra_message("peft", f"lora.rank={cfg.lora.rank}"))
 
 
 def check_with_torch(cfg: JobConfig, *, nproc_per_node: str, nnodes: str = "1") -> None:
@@ -115,6 +118,8 @@ def check_with_torch(cfg: JobConfig, *, nproc_per_node: str, nnodes: str = "1") 
         check_compiler(True)
         layout_allows(True, cfg.parallel.tp, cfg.parallel.sequence_parallel, cfg.parallel.cp, experts)
     _check_checkpoints(cfg, tokenizer.vocab_size)
+    if cfg.lora.enabled:  # imported once here: the workers fork from this process (launch/preload.py)
+        import peft  # noqa: F401
 
 
 def _check_checkpoints(cfg: JobConfig, vocab_size: int) -> None:
@@ -127,7 +132,14 @@ def _check_checkpoints(cfg: JobConfig, vocab_size: int) -> None:
     def model_to_check():
         return build_model(cfg.model, vocab_size, seed=0)
 
-    check_resume(cfg.checkpoint.resume, model_to_check)
+    def resumed_model():  # a LoRA run's checkpoint holds its adapters (models/lora.py)
+        if not cfg.lora.enabled:
+            return model_to_check()
+        from meshrun.models.lora import apply_lora
+
+        return apply_lora(model_to_check(), cfg.lora)
+
+    check_resume(cfg.checkpoint.resume, resumed_model, adapters_only=cfg.lora.enabled)
     check_init_from(cfg.model.init_from, model_to_check)
     if cfg.model.hf:
         from meshrun.models.hf_load import check_hf_weights, hf_state_dict

@@ -208,7 +208,7 @@ def _loop(run: _Run, cfg: JobConfig, env: DistEnv, run_dir: Path, profiler: Step
     run.memory.mark_trained()
 
     with phase("final weights"):
-        weights = save_final_weights(layout, run_dir, env)
+        weights = save_final_weights(layout, run_dir, env, adapters_only=cfg.lora.enabled)
     if env.is_main:  # after model.pt: the run is finished, and a restarted worker will not redo it
         write_finished(run_dir, tcfg.steps)
     run.memory.mark_end()
@@ -234,6 +234,10 @@ def _setup(cfg: JobConfig, env: DistEnv, run_dir: Path) -> _Run:
         if cfg.model.init_from:  # a model built eagerly: its weights now, before it is moved
             load_consolidated(model, cfg.model.init_from)
         model = model.to(env.device)
+    if cfg.lora.enabled:  # peft's LoRA layers, base frozen: before the layout shards anything
+        from meshrun.models.lora import apply_lora
+
+        model = apply_lora(model, cfg.lora, base_dtype=torch.bfloat16 if tcfg.dtype == "bf16" else None)
     seq_len = resolved_seq_len(cfg, model)
     vocab = getattr(getattr(model, "args", None), "vocab_size", None)
     num_params = sum(p.numel() for p in model.parameters())
@@ -243,11 +247,17 @@ def _setup(cfg: JobConfig, env: DistEnv, run_dir: Path) -> _Run:
     layout = build_layout(model, resolved, device=env.device, seed=tcfg.seed, compile=tcfg.compile)
     del model  # the layout holds this rank's parts now
     if meta and cfg.model.init_from:
-        layout.load_full_state_dict(read_consolidated(cfg.model.init_from))
+        layout.load_full_state_dict(read_consolidated(cfg.model.init_from), lora=cfg.lora.enabled)
     if cfg.model.hf:  # this rank's shards straight from the safetensors (a resume overwrites them)
         from meshrun.models.hf_load import load_hf_weights
 
         load_hf_weights(layout.parts, cfg.model.hf)
+    fingerprint = None
+    if cfg.lora.enabled:  # the adapters start from the same values in every layout; the base is fixed now
+        from meshrun.models.lora import base_fingerprint, init_adapters
+
+        init_adapters(layout.parts, tcfg.seed)
+        fingerprint = base_fingerprint(layout.parts)
 
     # ③ data: this data-parallel rank's disjoint share; the sampler reshuffles every epoch itself
     train_batches, val_loader, _ = build_loaders(
@@ -257,7 +267,8 @@ def _setup(cfg: JobConfig, env: DistEnv, run_dir: Path) -> _Run:
     optimizers = [build_optimizer(part, cfg.optim) for part in layout.parts]
     schedulers = [build_scheduler(opt, cfg.optim, tcfg.steps) for opt in optimizers]
     scaler = build_loss_scaler(tcfg.dtype, layout.parts, env.device, init_scale=tcfg.loss_scale)
-    state = TrainState(layout.parts, optimizers, schedulers, train_batches, scaler=scaler)
+    state = TrainState(layout.parts, optimizers, schedulers, train_batches, scaler=scaler,
+                       adapters_only=cfg.lora.enabled, base_fingerprint=fingerprint)
     checkpointer = Checkpointer(cfg.checkpoint, run_dir=run_dir, env=env,
                                 layout=layout_record(cfg, layout.dp_size))
     try:

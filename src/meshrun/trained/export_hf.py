@@ -62,8 +62,10 @@ def check_out(out: Path, force: bool) -> None:
                           "an earlier export there")
 
 
-def export_hf(ckpt: Path, out: Path, *, max_shard_size: str = DEFAULT_MAX_SHARD, force: bool = False) -> dict:
-    """Write CKPT (a checkpoint, or a run directory) as a Hugging Face directory at OUT; returns a summary."""
+def export_hf(ckpt: Path, out: Path, *, max_shard_size: str = DEFAULT_MAX_SHARD, force: bool = False,
+              merge: bool = False) -> dict:
+    """Write CKPT (a checkpoint, or a run directory) as a Hugging Face directory at OUT; returns a summary.
+    `merge`: CKPT holds LoRA adapters (trained/lora.py): write its base with them merged in."""
     max_bytes = parse_size(max_shard_size)  # bad options and a taken OUT: one line before torch is imported
     from meshrun.checkpoint.outputs import check_output
     from meshrun.trained.model_source import open_source
@@ -73,6 +75,14 @@ def export_hf(ckpt: Path, out: Path, *, max_shard_size: str = DEFAULT_MAX_SHARD,
     source = open_source(Path(ckpt))
     if source.hf_dir:  # the Hugging Face directory the run started from is an input too
         check_output("OUT", out, inputs=[source.hf_dir], writes=[], force=force)
+    from meshrun.trained.lora import has_adapters, merged
+
+    if has_adapters(source) != merge:
+        raise ConfigError(f"{ckpt} holds LoRA adapters only: --merge writes its base with them merged in, "
+                          "--format peft the adapters" if not merge else
+                          f"--merge: {ckpt} holds no LoRA adapters (its run had lora.rank=0); drop --merge")
+    if merge:
+        source = merged(source)
     return write_hf(source, Path(out), max_bytes=max_bytes)
 
 

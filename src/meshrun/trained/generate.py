@@ -75,6 +75,8 @@ class Loaded:
     origin: str
     """What was loaded, for messages: the HF directory, checkpoint or model.pt."""
     max_positions: int | None
+    tokenizer_dir: str = ""
+    """The tokenizer's directory (its chat template, for --chat): the HF directory, or the run's data.tokenizer."""
 
 
 def generate_ids(loaded: Loaded, prompt_ids: list[int], sampler: Sampler) -> list[int]:
@@ -113,8 +115,14 @@ def _cache_kwargs(model: torch.nn.Module) -> dict:
     return {"cache" if "cache" in params else "past_key_values": DynamicCache(config=model.config)}
 
 
-def generate_text(loaded: Loaded, prompt: str, sampler: Sampler) -> str:
-    """The prompt followed by its sampled continuation."""
+def generate_text(loaded: Loaded, prompt: str, sampler: Sampler, *, chat: bool = False) -> str:
+    """The prompt followed by its sampled continuation. `chat`: the prompt is a user's message,
+    rendered by the tokenizer directory's chat template up to the assistant's turn."""
+    if chat:
+        from meshrun.data.chat import ChatRenderer
+
+        renderer = ChatRenderer(loaded.tokenizer_dir, loaded.tokenizer)
+        prompt = renderer.prompt([{"role": "user", "content": prompt}], where="--chat")
     ids = loaded.tokenizer.encode(prompt)
     if not ids:
         eos = getattr(loaded.tokenizer, "eos_id", None)
@@ -127,8 +135,9 @@ def generate_text(loaded: Loaded, prompt: str, sampler: Sampler) -> str:
     return prompt + loaded.tokenizer.decode(generate_ids(loaded, ids, sampler))
 
 
-def load(path: Path) -> Loaded:
-    """An HF directory, a run directory or a checkpoint directory, as a causal LM and its tokenizer."""
+def load(path: Path, adapter: Path | None = None) -> Loaded:
+    """An HF directory, a run directory or a checkpoint directory, as a causal LM and its tokenizer.
+    `adapter`: a peft adapter directory (`ckpt export --format peft`) merged into an HF directory's model."""
     from meshrun.checkpoint import manifest as mf
     from meshrun.rundir.runs import CONFIG_FILE
 
@@ -146,8 +155,27 @@ def load(path: Path) -> Loaded:
         raise ConfigError(f"{path} is neither a meshrun run directory ({CONFIG_FILE}), a checkpoint "
                           f"({mf.MANIFEST}) nor a Hugging Face model directory (config.json); give runs/NAME, "
                           "runs/NAME/checkpoints/step-N or an HF directory")
+    if adapter is not None and is_run:
+        raise ConfigError(f"--adapter {adapter}: give it with the Hugging Face base directory; {path} is a meshrun "
+                          "run or checkpoint, whose LoRA adapters are merged in already")
     transformers = need_transformers()
-    return _load_run(transformers, path) if is_run else _load_hf_dir(transformers, path)
+    if is_run:
+        return _load_run(transformers, path)
+    loaded = _load_hf_dir(transformers, path)
+    if adapter is not None:
+        loaded.model = _with_adapter(loaded.model, Path(adapter))
+    return loaded
+
+
+def _with_adapter(model: torch.nn.Module, adapter: Path) -> torch.nn.Module:
+    """`model` with the peft adapter directory merged in (peft's `merge_and_unload`)."""
+    from meshrun.extras import import_extra
+
+    peft = import_extra("peft", f"--adapter {adapter}", error=ConfigError)
+    if not (adapter / "adapter_config.json").is_file():
+        raise ConfigError(f"--adapter {adapter}: no adapter_config.json there; give a directory written by "
+                          "`meshrun ckpt export CKPT --format peft` or peft's save_pretrained")
+    return peft.PeftModel.from_pretrained(model, str(adapter), trust_remote_code=False).merge_and_unload().eval()
 
 
 def _load_hf_dir(transformers, path: Path) -> Loaded:
@@ -173,7 +201,7 @@ def _load_hf_dir(transformers, path: Path) -> Loaded:
         if bar:
             transformers.utils.logging.enable_progress_bar()
     model.eval()
-    return Loaded(model, load_tokenizer(path), str(path), _max_positions(model.config))
+    return Loaded(model, load_tokenizer(path), str(path), _max_positions(model.config), tokenizer_dir=str(path))
 
 
 def _load_run(transformers, path: Path) -> Loaded:
@@ -184,6 +212,10 @@ def _load_run(transformers, path: Path) -> Loaded:
     from meshrun.trained.model_source import open_source
 
     source = open_source(path)
+    from meshrun.trained.lora import has_adapters, merged
+
+    if has_adapters(source):  # a LoRA run: its base with the adapters merged in
+        source = merged(source)
     plan = plan_for(source.specs, source.config, token_ids(source.config))
     tokenizer = load_tokenizer(tokenizer_spec(source.config))
     config = dict(plan.config)
@@ -202,7 +234,8 @@ def _load_run(transformers, path: Path) -> Loaded:
     if left:
         raise ConfigError(f"{source.path}: the weights do not fill the model ({', '.join(left[:3])} missing)")
     model.eval()
-    return Loaded(model, tokenizer, str(source.path), _max_positions(config_obj))
+    return Loaded(model, tokenizer, str(source.path), _max_positions(config_obj),
+                  tokenizer_dir=tokenizer_spec(source.config))
 
 
 def _rebuild_buffers(model: torch.nn.Module) -> None:
