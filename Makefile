@@ -25,7 +25,7 @@ guide: $(STAMP)  ## the guide's DDP example through meshrun launch
 	$(BIN)/meshrun launch examples/guide/train_ddp.py --save runs/train_ddp/ckpt.pth
 
 test: $(DEV_STAMP) lint  ## ruff, then every test (pytest exit 5, "no tests collected", is a failure)
-	@$(BIN)/pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS); rc=$$?; \
+	@$(BIN)/pytest -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: the suite is missing" >&2; exit 1; fi; \
 	exit $$rc
 

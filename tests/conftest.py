@@ -52,22 +52,6 @@ def pytest_runtest_setup(item) -> None:
         torch.set_num_threads(1)
 
 
-SLOW_FILES = Path(__file__).with_name("slow_files.txt")
-"""The test files that take longest on 2 cores, longest first, one per line (from MESHRUN_SUITE_TIMES
-below). `make test` passes --no-loadscope-reorder, so that pytest-xdist hands out files in the order
-set here: these first, then the rest in collection order. Its own default hands out the files with
-the most tests first, which left a long file with one or two tests (a Ray cluster, an elastic kill)
-to start last and run alone at the end."""
-
-
-@pytest.hookimpl(trylast=True)  # after pytest's own reordering by its fixtures' scopes
-def pytest_collection_modifyitems(session, config, items) -> None:
-    lines = SLOW_FILES.read_text(encoding="utf-8").splitlines() if SLOW_FILES.is_file() else []
-    names = [name for name in (line.split("#")[0].strip() for line in lines) if name]
-    order = {name: i for i, name in enumerate(names)}
-    items.sort(key=lambda item: order.get(item.nodeid.split("::")[0], len(order)))  # stable: the rest as collected
-
-
 _FILE_TIMES: dict[str, list[float]] = {}
 
 

@@ -67,18 +67,3 @@ def test_plain_pytest_collects_every_test_file(request):
     assert not missing, f"test files a plain `pytest` never collects (no test in them runs in CI): {missing}"
     distributed = [f for f in collected if f.startswith("tests/distributed/")]
     assert len(distributed) >= 5, distributed
-
-
-def test_the_slow_files_list_names_test_files_and_orders_the_session(request):
-    """tests/slow_files.txt (conftest.SLOW_FILES) names test files that exist, once each, and the
-    collection starts with them in that order: a renamed file would otherwise fall back to the end."""
-    from conftest import SLOW_FILES
-
-    names = [line.split("#")[0].strip() for line in SLOW_FILES.read_text(encoding="utf-8").splitlines()]
-    names = [n for n in names if n]
-    assert len(names) >= 5 and len(set(names)) == len(names), names
-    missing = [n for n in names if n not in _test_files_on_disk()]
-    assert not missing, f"{SLOW_FILES.name} names files that are not test files: {missing}"
-    files = list(dict.fromkeys(item.nodeid.split("::", 1)[0] for item in request.session.items))
-    if _whole_session(request.config):
-        assert files[:len(names)] == names, files[:len(names)]
