@@ -39,7 +39,7 @@ KILL_AT = 25  # the step after which a worker of the second job is SIGKILLed (55
 CKPT_EVERY = 10
 SETTINGS = ["--nodes", "2", "--nproc-per-node", "1", "--set", f"train.steps={STEPS}", "--set", "metrics.interval=1",
             "--set", f"checkpoint.interval={CKPT_EVERY}"]
-JOB_DEADLINE_S = 150
+JOB_DEADLINE_S = 270  # a bound, not the expected time: the killed job took over 150 s on a slow day of this 2-core machine (its suite 3x slower)
 OBJECT_STORE = 80 << 20  # bytes per node: the job puts almost nothing in Ray's object store
 DRIVERS: list[subprocess.Popen] = []  # every `meshrun submit` started here; the cluster's finalizer stops any left
 
@@ -156,7 +156,7 @@ def uninterrupted(cluster, runs) -> tuple[Path, str]:
     return runs / "plain", out
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(360)
 def test_tiny_runs_to_completion_on_two_nodes(uninterrupted):
     run_dir, out = uninterrupted
     assert json.loads((run_dir / "finished.json").read_text())["step"] == STEPS
@@ -165,7 +165,7 @@ def test_tiny_runs_to_completion_on_two_nodes(uninterrupted):
     assert "Ray job plain finished" in out, out[-2000:]
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(420)
 def test_killed_worker_resumes_exactly(cluster, runs, uninterrupted):
     deadline = time.monotonic() + JOB_DEADLINE_S
     proc, log = _start(cluster, runs, "killed", "--max-restarts", "1")

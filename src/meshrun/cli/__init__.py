@@ -104,7 +104,13 @@ def _stop_at_once(name: str):
 
 def run() -> None:
     """The `meshrun` console script and `python -m meshrun`: main(), then a quick exit (see quick_exit)."""
-    quick_exit(main())
+    try:
+        code = main()
+    except KeyboardInterrupt:  # Ctrl-C before main's own handling is in place (measured: inside `import signal`)
+        command = sys.argv[1] if len(sys.argv) > 1 and sys.argv[1] in COMMANDS else ""
+        os.write(2, f"meshrun{' ' + command if command else ''}: interrupted (Ctrl-C)\n".encode())
+        code = INTERRUPTED_EXIT
+    quick_exit(code)
 
 
 def quick_exit(code: int) -> None:
