@@ -67,3 +67,16 @@ def test_plain_pytest_collects_every_test_file(request):
     assert not missing, f"test files a plain `pytest` never collects (no test in them runs in CI): {missing}"
     distributed = [f for f in collected if f.startswith("tests/distributed/")]
     assert len(distributed) >= 5, distributed
+
+
+def test_make_test_runs_both_phases():
+    """`make test` runs the suite without the tests marked `alone`, then those by themselves: dropping
+    either phase drops tests from CI (the Ray cluster's) without a collection error to show it."""
+    import re
+
+    recipe = re.search(r"^test:.*\n((?:\t.*\n)+)", (REPO / "Makefile").read_text(), re.M)
+    assert recipe, "Makefile has no test recipe"
+    body = recipe.group(1)
+    assert re.search(r'pytest -n \$\(TEST_WORKERS\) --dist loadfile -m "not alone"', body), body
+    assert re.search(r"pytest -m alone", body), body
+    assert "exit $$rc2" in body, body  # a failure in the second phase fails `make test`
