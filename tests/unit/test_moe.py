@@ -297,3 +297,26 @@ def test_forward_under_fake_tensors_splits_evenly():
         out = model(mode.from_tensor(torch.zeros(2, 8, dtype=torch.long)))
         out.sum().backward()
     assert tuple(out.shape) == (2, 8, 64)
+
+
+@pytest.mark.timeout(20)
+def test_moe_layer_counts_are_arithmetic_at_any_depth():
+    """The counts that `num_params`, the memory preflight and the planner use match `is_moe_layer`
+    and `stage_of_block` block by block, and take no time at a depth nobody can build (a fuzzed
+    config named ~10**18 layers and the preflight looped over them: the fuzz test never ended)."""
+    from meshrun.plan.show import stage_block_ranges, stage_of_block
+
+    for n_layers in range(1, 13):
+        for every in range(1, n_layers + 1):
+            args = moe_args(n_layers=n_layers, moe_every=every)
+            assert args.num_moe_layers == sum(args.is_moe_layer(i) for i in range(n_layers)), (n_layers, every)
+            for start in range(n_layers + 1):
+                for stop in range(start, n_layers + 1):
+                    assert args.moe_layers_between(start, stop) == sum(map(args.is_moe_layer, range(start, stop)))
+        for pp in range(1, n_layers + 1):
+            ranges = stage_block_ranges(n_layers, pp)
+            assert [stage_of_block(i, n_layers, pp) for i in range(n_layers)] == [
+                s for s, (start, stop) in enumerate(ranges) for _ in range(start, stop)], (n_layers, pp)
+    huge = moe_args(n_layers=10**18, moe_every=3)
+    assert huge.num_moe_layers == 10**18 // 3 and huge.num_params() > 10**18
+    assert ModelArgs(**{**SMALL, "n_layers": 10**18}).num_moe_layers == 0

@@ -134,7 +134,13 @@ class ModelArgs:
 
     @property
     def num_moe_layers(self) -> int:
-        return sum(self.is_moe_layer(i) for i in range(self.n_layers))
+        """How many blocks `is_moe_layer`: every moe_every-th, counted without a loop (a sized
+        config may name billions of layers; the preflight refuses it, in one line, after this)."""
+        return self.moe_layers_between(0, self.n_layers)
+
+    def moe_layers_between(self, start: int, stop: int) -> int:
+        """How many of blocks start..stop-1 are MoE blocks (`is_moe_layer`), by arithmetic."""
+        return stop // self.moe_every - start // self.moe_every if self.experts > 0 else 0
 
     @property
     def head_dim(self) -> int:

@@ -36,7 +36,7 @@ from meshrun.models.args import ModelArgs
 from meshrun.parallel.dims import ParallelDims
 from meshrun.parallel.rules import DTYPE_NAMES, check_choice
 from meshrun.parallel.rules_pp import default_stages_per_rank
-from meshrun.plan.show import stage_of_block
+from meshrun.plan.show import stage_block_ranges
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 assert tuple(DTYPE_BYTES) == DTYPE_NAMES, "one element size per dtype name"
@@ -162,10 +162,9 @@ def activation_bytes(args: ModelArgs, dims: ParallelDims, *, batch_size: int, se
     if batch_size % micro:  # the run itself refuses this (resolve_pipeline); count the whole batch
         micro = 1
     tokens = batch_size // micro * seq_len // dims.cp  # a cp rank holds seq_len / cp of each sequence
-    blocks, moe_blocks = [0] * num_stages, [0] * num_stages
-    for i in range(args.n_layers):
-        blocks[stage_of_block(i, args.n_layers, num_stages)] += 1
-        moe_blocks[stage_of_block(i, args.n_layers, num_stages)] += args.is_moe_layer(i)
+    ranges = stage_block_ranges(args.n_layers, num_stages)
+    blocks = [stop - start for start, stop in ranges]
+    moe_blocks = [args.moe_layers_between(start, stop) for start, stop in ranges]
     stage_bytes = {s: _stage_bytes(args, dims.tp, tokens, elem, blocks=blocks[s], first=s == 0,
                                    last=s == num_stages - 1, sequence_parallel=sequence_parallel,
                                    loss_parallel=loss_parallel,

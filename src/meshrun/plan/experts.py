@@ -41,7 +41,7 @@ def expert_plan(args, dims, *, batch_size: int, seq_len: int, grad_accum: int = 
     if not getattr(args, "experts", 0) or getattr(dims, "ep", 1) <= 1:
         return None
     ep = dims.ep
-    moe_blocks = sum(args.is_moe_layer(i) for i in range(args.n_layers))
+    moe_blocks = args.num_moe_layers
     blocks_here = -(-moe_blocks // dims.pp)  # the fullest pipeline stage's share (balanced split)
     per_expert = 3 * args.moe_hidden * args.dim  # w1, w2, w3
     efsdp = dims.dp_shard // ep

@@ -24,7 +24,7 @@ from __future__ import annotations
 from meshrun.models.args import ModelArgs
 from meshrun.parallel.dims import ParallelDims
 from meshrun.plan.activations import dtype_bytes
-from meshrun.plan.show import stage_of_block
+from meshrun.plan.show import stage_block_ranges
 
 ACCUMULATE_BYTES = 4  # the ring accumulates dK and dV in float32
 
@@ -34,9 +34,7 @@ def ring_bytes(args: ModelArgs, dims: ParallelDims, *, batch_size: int, seq_len:
     """Bytes a cp rank receives in the ring per step of `batch_size` sequences (0 when cp is 1)."""
     if dims.cp <= 1:
         return 0
-    blocks = [0] * dims.pp
-    for i in range(args.n_layers):
-        blocks[stage_of_block(i, args.n_layers, dims.pp)] += 1
+    blocks = [stop - start for start, stop in stage_block_ranges(args.n_layers, dims.pp)]
     kv = 2 * batch_size * (seq_len // dims.cp) * (args.n_heads // dims.tp) * args.head_dim
     gathers = 3 if activation_checkpointing else 2
     per_block = kv * ((dims.cp - 1) * dtype_bytes(dtype) * gathers + dims.cp * ACCUMULATE_BYTES)

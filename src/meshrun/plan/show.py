@@ -81,6 +81,12 @@ def param_shapes(args: ModelArgs) -> list[tuple[str, tuple[int, ...]]]:
     return [(name, tuple(p.shape)) for name, p in model.named_parameters()]
 
 
+def stage_block_ranges(n_layers: int, pp: int) -> list[tuple[int, int]]:
+    """Each pipeline stage's blocks under the balanced split, as (start, stop): no loop over the
+    blocks, which a sized config may count in billions."""
+    return [(stage * n_layers // pp, (stage + 1) * n_layers // pp) for stage in range(pp)]
+
+
 def stage_of_block(index: int, n_layers: int, pp: int) -> int:
     """The pipeline stage of block `index` under the balanced split."""
     for stage in range(pp):
