@@ -81,7 +81,7 @@ def test_dtensor_redistributions_that_differ_name_the_rank_op_and_line(tmp_path)
     report = _report(out)
     assert "rank 1 diverged" in report, out
     assert "all_reduce(float32[4, 4])" in report, report  # rank 0: Partial -> Replicate
-    assert f"reduce_scatter_tensor(float32[4, 4]) at " in report, report  # rank 1: Partial -> Shard(0)
+    assert "reduce_scatter_tensor(float32[4, 4]) at " in report, report  # rank 1: Partial -> Shard(0)
     assert f"indirect.py:{FAULT} in <module>" in report, report
 
 

@@ -167,14 +167,13 @@ def test_collective_timeout_follows_the_hierarchy():
 def test_collective_wrappers_exist_only_between_install_and_shutdown():
     import torch
     import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
     import torch.distributed.distributed_c10d as c10d
+    from torch.nn.parallel import DistributedDataParallel
     from torch.optim import optimizer as opt
 
     from meshrun.debug.heartbeat import Heartbeat
     from meshrun.debug.hooks import DebugHooks
-
-    import torch.distributed._functional_collectives as funcol
-    from torch.nn.parallel import DistributedDataParallel
 
     def state():  # the optimizer hook counts last
         return (dist.all_reduce, c10d.all_reduce, dist.broadcast_object_list, c10d.barrier,
