@@ -67,15 +67,17 @@ def wrap_funcol(patch) -> None:
 
 def patch_ddp(patch) -> None:
     """Route DDP's bucket all-reduces through `dist.all_reduce` at each model's first forward."""
+    import torch
     from torch.nn.parallel import DistributedDataParallel
 
     original = DistributedDataParallel.forward
     if hasattr(original, "__meshrun_wrapped__"):
         return
+    compiling = torch.compiler.is_compiling
 
     @functools.wraps(original)
     def forward(self, *args, **kwargs):
-        if "_meshrun_buckets_seen" not in self.__dict__:
+        if "_meshrun_buckets_seen" not in self.__dict__ and not compiling():  # registered eagerly, once
             self.__dict__["_meshrun_buckets_seen"] = True
             if patch.installed:
                 _register_bucket_hook(self, patch)
