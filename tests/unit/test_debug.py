@@ -195,6 +195,14 @@ def test_collective_wrappers_exist_only_between_install_and_shutdown():
     assert state() == before
     hooks.shutdown()  # twice is fine
     assert state() == before
+    watchdog_only = DebugHooks(DebugSettings(60.0, frozenset()), Heartbeat())
+    watchdog_only.install()  # records dist.* for the hang report; DDP and DTensor stay torch's own
+    try:
+        assert dist.all_reduce is not before[0]
+        assert state()[4:7] == before[4:7]
+    finally:
+        watchdog_only.shutdown()
+    assert state() == before
 
 
 @pytest.mark.parametrize(("message", "kind"), [
