@@ -70,6 +70,7 @@ def test_ddp_bucket_layouts_that_differ_are_named_at_the_backward_line(tmp_path)
     assert "collective mismatch at #1 on group world: rank 0, 1 diverged" in report, out
     assert "rank 0: all_reduce(float32[8385])" in report and "rank 1: all_reduce(float32[129])" in report, report
     assert f"indirect.py:{BACKWARD} in <module> (DDP gradient bucket 0)" in report, report
+    assert "DDP's gradient buckets differ across ranks: give every rank's DDP the same bucket_cap_mb" in report
 
 
 @pytest.mark.timeout(120)

@@ -43,6 +43,16 @@ FUNCOL_OPS: dict[str, tuple[str, int, int | None]] = {
 }
 
 
+BUCKET_LABEL = "DDP gradient bucket"
+BUCKET_HINT = ("DDP's gradient buckets differ across ranks: give every rank's DDP the same bucket_cap_mb, "
+               "find_unused_parameters and static_graph")
+
+
+def bucket_hint(sites: list[str]) -> str | None:
+    """What to compare when a mismatch is in DDP's buckets (the sites carry their label)."""
+    return BUCKET_HINT if any(f"({BUCKET_LABEL} " in site for site in sites) else None
+
+
 def funcol_group(group):
     """The ProcessGroup behind funcol's group argument (a group, its name, ranks, a mesh and axis)."""
     import torch.distributed._functional_collectives as funcol
@@ -95,7 +105,7 @@ def _register_bucket_hook(ddp, patch) -> None:
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
     def meshrun_fingerprinted_allreduce(process_group, bucket):
-        with patch.labelled(f"DDP gradient bucket {bucket.index()}"):
+        with patch.labelled(f"{BUCKET_LABEL} {bucket.index()}"):
             return allreduce_hook(process_group, bucket)
 
     ddp.register_comm_hook(ddp.process_group, meshrun_fingerprinted_allreduce)
