@@ -10,7 +10,8 @@ user's file:line for the hang report, and counts a returned collective as progre
 it runs, and the collectives torch issues for the user are brought in (indirect.py): DDP's
 reducer buckets (through torch's own `allreduce_hook`, registered at the model's first forward)
 and DTensor's functional collectives. Still unseen: a DDP built-in C++ comm hook, DDP's buffer
-broadcasts and unused-parameter map (find_unused_parameters), ops inside a compiled graph.
+broadcasts and unused-parameter map (find_unused_parameters), ops inside a compiled graph
+(a torch.compile'd DDP model's buckets included).
 torch's TORCH_DISTRIBUTED_DEBUG=DETAIL is not used: with DDP on torch 2.13 CPU it segfaults.
 """
 

@@ -8,7 +8,8 @@ Two paths bypass torch.distributed's Python functions that collectives.py wraps:
   point: the same arithmetic, now through the wrapped `dist.all_reduce`. Each bucket is then
   fingerprinted (float32[numel]) at the user's `backward()` line, labelled with its bucket index.
   A model with its own Python hook already goes through `dist.*`; a built-in C++ hook
-  (`_register_builtin_comm_hook`) stays unseen.
+  (`_register_builtin_comm_hook`) stays unseen, and so does a DDP model inside torch.compile
+  (its first forward is traced, not run: no hook is registered then).
 - DTensor redistributions (and DDP under compiled autograd) call
   `torch.distributed._functional_collectives` (funcol), whose ops run in C++. Its Python
   functions are wrapped like torch.distributed's and fingerprinted under the c10d op they perform
