@@ -167,14 +167,17 @@ def test_collective_timeout_follows_the_hierarchy():
 def test_collective_wrappers_exist_only_between_install_and_shutdown():
     import torch
     import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
     import torch.distributed.distributed_c10d as c10d
+    from torch.nn.parallel import DistributedDataParallel
     from torch.optim import optimizer as opt
 
     from meshrun.debug.heartbeat import Heartbeat
     from meshrun.debug.hooks import DebugHooks
 
-    def state():
+    def state():  # the optimizer hook counts last
         return (dist.all_reduce, c10d.all_reduce, dist.broadcast_object_list, c10d.barrier,
+                funcol.all_gather_single, funcol.reduce_scatter_tensor, DistributedDataParallel.forward,
                 len(opt._global_optimizer_pre_hooks), len(opt._global_optimizer_post_hooks))
 
     before = state()
@@ -182,14 +185,23 @@ def test_collective_wrappers_exist_only_between_install_and_shutdown():
     hooks = DebugHooks(DebugSettings(60.0, frozenset({"collectives"})), progress)
     hooks.install()
     during = state()
-    assert all(a is not b for a, b in zip(before[:4], during[:4], strict=True))  # every collective wrapped
-    assert during[4:] == (before[4] + 1, before[5] + 1)  # the first-step check, the progress counter
+    # every collective wrapped, DTensor's functional ones and DDP's first forward (its bucket hook) too
+    assert all(a is not b for a, b in zip(before[:-2], during[:-2], strict=True))
+    assert during[-2:] == (before[-2] + 1, before[-1] + 1)  # the first-step check, the progress counter
     assert dist.all_reduce.__meshrun_wrapped__ is before[0]
     torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1).step()
     assert progress.count == 1  # an optimizer step is progress
     hooks.shutdown()
     assert state() == before
     hooks.shutdown()  # twice is fine
+    assert state() == before
+    watchdog_only = DebugHooks(DebugSettings(60.0, frozenset()), Heartbeat())
+    watchdog_only.install()  # records dist.* for the hang report; DDP and DTensor stay torch's own
+    try:
+        assert dist.all_reduce is not before[0]
+        assert state()[4:7] == before[4:7]
+    finally:
+        watchdog_only.shutdown()
     assert state() == before
 
 

@@ -7,9 +7,12 @@ hang watchdog or `--debug collectives`; uninstalling puts torch's own functions 
 Recording (always, while the hang watchdog is on) keeps this rank's last collectives with the
 user's file:line for the hang report, and counts a returned collective as progress. With
 `--debug collectives` each call is also checked against every peer's (fingerprint.py) before
-it runs. Collectives issued from C++ (DDP's reducer) or through functional collectives
-(DTensor) are not seen here; torch's TORCH_DISTRIBUTED_DEBUG=DETAIL covers them without call
-sites, but meshrun does not set it: with DDP on torch 2.13 CPU it segfaults.
+it runs, and the collectives torch issues for the user are brought in (indirect.py): DDP's
+reducer buckets (through torch's own `allreduce_hook`, registered at the model's first forward)
+and DTensor's functional collectives. Still unseen: a DDP built-in C++ comm hook, DDP's buffer
+broadcasts and unused-parameter map (find_unused_parameters), ops inside a compiled graph
+(a torch.compile'd DDP model's buckets included).
+torch's TORCH_DISTRIBUTED_DEBUG=DETAIL is not used: with DDP on torch 2.13 CPU it segfaults.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import os
 import sys
 import threading
 from collections.abc import Callable
+from contextlib import contextmanager
 
 from meshrun.debug.heartbeat import CollectiveRecord, Heartbeat
 
@@ -135,8 +139,26 @@ class CollectivePatch:
                 wrapper = self._wrap(op, original)
             for module in (c10d, dist):
                 if getattr(module, op, None) is original:
-                    setattr(module, op, wrapper)
-                    self._replaced.append((module, op, original, wrapper))
+                    self.replace(module, op, original, wrapper)
+        if checker_factory is not None:  # only --debug collectives: DDP's buckets, DTensor's funcol
+            from meshrun.debug.indirect import patch_ddp, wrap_funcol
+
+            wrap_funcol(self)
+            patch_ddp(self)
+
+    def replace(self, owner, name: str, original, wrapper) -> None:
+        """Put `wrapper` at `owner.name` until uninstall()."""
+        setattr(owner, name, wrapper)
+        self._replaced.append((owner, name, original, wrapper))
+
+    @contextmanager
+    def labelled(self, label: str):
+        """Collectives called inside name `label` after their call site (e.g. a DDP bucket)."""
+        self._tls.label = label
+        try:
+            yield
+        finally:
+            self._tls.label = None
 
     def uninstall(self) -> None:
         """Put torch's own functions back (where nobody has replaced the wrappers since)."""
@@ -190,18 +212,28 @@ class CollectivePatch:
         return wrapper
 
     def _wrap(self, op: str, fn):
-        where = OPS[op]
+        return self.wrap(op, fn, where=OPS[op], group_pos=GROUP_POS[op])
+
+    def wrap(self, op: str, fn, *, where: tuple[int, str] | None, group_pos: int, resolve_group=None):
+        """`fn` recorded as `op` (and checked, with --debug collectives); its group is argument
+        `group_pos` or keyword `group`, made a ProcessGroup by `resolve_group` where needed."""
+        import torch
+
         tls, seqs, progress = self._tls, self._seqs, self.heartbeat
+        compiling = torch.compiler.is_compiling
 
         @functools.wraps(fn)
         def wrapper(*args, **kwargs):
-            if getattr(tls, "inside", False):  # e.g. all_gather_object -> all_gather: count the outer one
+            # e.g. all_gather_object -> all_gather: count the outer one; a traced graph runs later
+            if getattr(tls, "inside", False) or compiling():
                 return fn(*args, **kwargs)
             tls.inside = True
             try:
                 group = kwargs.get("group")
-                if group is None and len(args) > GROUP_POS[op]:
-                    group = args[GROUP_POS[op]]
+                if group is None and len(args) > group_pos:
+                    group = args[group_pos]
+                if resolve_group is not None:
+                    group = resolve_group(group)
                 gname = _group_name(group)
                 seq = seqs.get(gname, 0) + 1
                 seqs[gname] = seq
@@ -210,7 +242,9 @@ class CollectivePatch:
                     pos, name = where
                     value = kwargs[name] if name in kwargs else (args[pos] if len(args) > pos else None)
                     tensor = _describe_tensor(value)
-                record = CollectiveRecord(seq, op, gname, tensor, self.call_site())
+                site = self.call_site()
+                label = getattr(tls, "label", None)
+                record = CollectiveRecord(seq, op, gname, tensor, f"{site} ({label})" if label else site)
                 progress.begin(record)
                 self._run_first_hooks()
                 if self.checker is not None:

@@ -17,6 +17,7 @@ import time
 from collections import Counter
 
 from meshrun.debug.heartbeat import CollectiveRecord
+from meshrun.debug.indirect import bucket_hint
 
 
 class CollectiveMismatchError(RuntimeError):
@@ -121,6 +122,9 @@ class Checker:
         who = ", ".join(str(r) for r in diverging)
         head = (f"collective mismatch at #{mine['seq']} on group {mine['group']}: rank {who} diverged "
                 f"({'; '.join(lines)})")
+        hint = bucket_hint([fp["site"] for fp in fps])
+        if hint:
+            head = f"{head}; {hint}"
         self._raise(head, diverging)
 
     def _describe_site_divergence(self, fps: list[dict], mine: dict) -> str:
