@@ -26,6 +26,20 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE
 LENGTH_MARGIN = 1.15  # --minutes is a floor: a 15 s calibration misjudged long runs' rate by up to 10% here
 
 
+def run_bounded(cmd: list[str], timeout: float, what: str) -> tuple[int, str]:
+    """(exit code, stdout and stderr together) of `cmd`, run in a session of its own; past `timeout`
+    its whole process group (a launcher and its workers) is SIGKILLed and the benchmark stops with
+    one line naming `what`."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise SystemExit(f"{what}: did not finish within {timeout}s") from None
+    return proc.returncode, out
+
+
 def meshrun_cmd(run_root: Path, name: str, steps: int, interval: int, restarts: int, extra: list[str]) -> list[str]:
     return [str(BIN / "meshrun"), "train", str(REPO / "examples/configs/tiny.toml"), "--nproc-per-node", "2",
             "--max-restarts", str(restarts), "--set", f"train.name={name}", "--set", f"train.run_dir={run_root}",

@@ -21,13 +21,13 @@ import argparse
 import json
 import os
 import re
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from common import run_bounded
 
 BIN = Path(sys.executable).parent
 GLOO_DEFAULT_TIMEOUT_S = 1800
@@ -79,16 +79,10 @@ if env.rank == 0:
 
 
 def _run(cmd: list[str], timeout: float, check: bool = True) -> tuple[int, str]:
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)  # the launcher's own group: its workers too
-        proc.communicate()
-        raise SystemExit(f"{cmd[:3]} did not finish within {timeout}s") from None
-    if check and proc.returncode != 0:
-        raise SystemExit(f"{cmd[:3]} failed ({proc.returncode}):\n{out[-3000:]}")
-    return proc.returncode, out
+    returncode, out = run_bounded(cmd, timeout, str(cmd[:3]))
+    if check and returncode != 0:
+        raise SystemExit(f"{cmd[:3]} failed ({returncode}):\n{out[-3000:]}")
+    return returncode, out
 
 
 def fault_to_report(tmp: Path, mode: str, flags: list[str], timeout: float) -> float:

@@ -27,14 +27,12 @@ from __future__ import annotations
 import argparse
 import os
 import re
-import signal
 import statistics
-import subprocess
 import tempfile
 import time
 from pathlib import Path
 
-from common import BIN
+from common import BIN, run_bounded
 
 TARGET_S = 10.0
 
@@ -109,16 +107,10 @@ def run_scenario(tmp: Path, name: str, timeout: float) -> tuple[float, str]:
     script.write_text(SCENARIOS[name][0])
     mark.unlink(missing_ok=True)
     cmd = [str(BIN / "meshrun"), "launch", "--nproc-per-node", "2", "--debug", "collectives", str(script), str(mark)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)  # the launcher's own group: its workers too
-        proc.communicate()
-        raise SystemExit(f"{name}: no report within {timeout}s") from None
+    returncode, out = run_bounded(cmd, timeout, f"{name}: the launch with the fault")
     ended = time.time()
-    if proc.returncode == 0 or not mark.exists():
-        raise SystemExit(f"{name}: the fault was not reported (exit {proc.returncode}):\n{out[-3000:]}")
+    if returncode == 0 or not mark.exists():
+        raise SystemExit(f"{name}: the fault was not reported (exit {returncode}):\n{out[-3000:]}")
     return ended - float(mark.read_text()), out
 
 
