@@ -60,7 +60,12 @@ def test_ctrl_c_during_start_up_is_one_line_and_exit_130_at_every_moment(tmp_pat
 
     from meshrun.testing.processes import group_members, kill_tree
 
-    for delay in (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.8):
+    # Python's own start-up (its `site` import, before the first line of meshrun's entry point) ends
+    # with "Fatal Python error: init_import_site" and exit 1 on a SIGINT, for any Python program:
+    # nothing there is meshrun's to catch. On a loaded machine a 0.1 s Ctrl-C lands there (seen in a
+    # fresh-clone suite run); such a moment is left out, and most moments must reach meshrun.
+    delays, in_python_start_up = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.8), []
+    for delay in delays:
         proc = subprocess.Popen([str(BIN / "meshrun"), "train", TINY, "--set", "train.steps=2",
                                  "--set", f"train.run_dir={tmp_path}", "--set", "train.name=ctrl_c"],
                                 cwd=tmp_path, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -78,5 +83,9 @@ def test_ctrl_c_during_start_up_is_one_line_and_exit_130_at_every_moment(tmp_pat
             if proc.poll() is None:
                 proc.communicate()
         where = f"Ctrl-C after {delay} s: exit {proc.returncode}\n{err}"
+        if proc.returncode == 1 and "Fatal Python error: init_import_site" in err:
+            in_python_start_up.append(delay)
+            continue
         lines = err.strip().splitlines()
         assert proc.returncode == 130 and len(lines) == 1 and lines[0].startswith("meshrun train: interrupted"), where
+    assert len(in_python_start_up) <= len(delays) // 2, f"Ctrl-C landed in Python's start-up after {in_python_start_up} s"
