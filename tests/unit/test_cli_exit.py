@@ -72,9 +72,8 @@ def _interrupted_before_meshrun_ran(returncode: int, err: str) -> bool:
 
 def test_interrupts_before_meshrun_ran_are_told_apart_from_meshruns_own():
     """The classifier above: a traceback inside a function of meshrun's is never left out."""
-    import signal
-
     import os
+    import signal
 
     import meshrun
 
