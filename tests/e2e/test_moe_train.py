@@ -21,7 +21,7 @@ def test_tiny_moe_example_trains_and_logs_the_expert_load(tmp_path):
                      timeout=60, cwd=tmp_path)
     assert result.returncode == 0, result.output[-3000:]
     assert ("mixture of experts: 4 experts (top 2, 1 shared) in 2 of 2 blocks, balance 'bias'; "
-            "the experts compute as a loop over the experts") in result.output
+            "the experts compute as a loop over the experts (cpu, float32)") in result.output
     train = metrics_records(tmp_path / "moe", "train")
     assert [r["step"] for r in train] == [3, 6]
     for record in train:

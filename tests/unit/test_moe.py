@@ -320,3 +320,59 @@ def test_moe_layer_counts_are_arithmetic_at_any_depth():
     huge = moe_args(n_layers=10**18, moe_every=3)
     assert huge.num_moe_layers == 10**18 // 3 and huge.num_params() > 10**18
     assert ModelArgs(**{**SMALL, "n_layers": 10**18}).num_moe_layers == 0
+
+
+def _ops_run(experts, x: torch.Tensor, counts: list[int]) -> set[str]:
+    """The aten ops a bf16-autocast forward and backward of `experts` runs."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    seen = set()
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.add(str(func.overloadpacket))
+            return func(*args, **(kwargs or {}))
+
+    with Record(), torch.autocast("cpu", dtype=torch.bfloat16):
+        experts(x, torch.tensor(counts)).float().sum().backward()
+    return {name if name.startswith("aten.") else f"aten.{name}" for name in seen}
+
+
+def _experts_by_loop(experts, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    """The reference: one matmul per expert on its own tokens, in x's dtype."""
+    w1, w2, w3 = (w.to(x.dtype) for w in (experts.w1, experts.w2, experts.w3))
+    outs = [(F.silu(part @ w1[e].t()) * (part @ w3[e].t())) @ w2[e].t()
+            for e, part in enumerate(torch.split(x, counts))]
+    return torch.cat(outs)
+
+
+@pytest.mark.parametrize("counts", [[5, 0, 7, 4], [0, 0, 0, 3], [0, 0, 0, 0]], ids=["uneven", "one_expert", "none"])
+def test_bf16_experts_use_grouped_gemm_bitwise_as_a_loop_and_fp32_a_loop(counts):
+    """bf16 on CPU goes through torch._grouped_mm (fp32 fails in its backward there), with the
+    loop's outputs and gradients bit for bit, zeros included; under autocast the same."""
+    from meshrun.models.moe import EXPERT_LOOP, GROUPED_GEMM, GroupedExperts, expert_compute
+
+    assert expert_compute("cpu", torch.bfloat16) == GROUPED_GEMM
+    assert expert_compute("cpu", torch.float32) == EXPERT_LOOP == expert_compute("cuda", torch.float32)
+    torch.manual_seed(0)
+    experts = GroupedExperts(16, 24, 4)
+    for w in experts.parameters():
+        torch.nn.init.normal_(w, std=0.2)
+    x = torch.randn(sum(counts), 16)
+    grads = []
+    for run in ("grouped", "reference"):
+        experts.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = experts(x, torch.tensor(counts)) if run == "grouped" else _experts_by_loop(experts, x.bfloat16(),
+                                                                                             counts)
+        assert out.dtype == torch.bfloat16
+        (out.float() * torch.arange(out.numel()).view_as(out).sin()).sum().backward()
+        grads.append((out.detach(), [w.grad.clone() if w.grad is not None else torch.zeros_like(w)
+                                     for w in experts.parameters()]))
+    (got, got_grads), (want, want_grads) = grads
+    assert torch.equal(got, want)
+    assert ("aten._grouped_mm" in _ops_run(experts, x, counts)) == (sum(counts) > 0)  # none: the loop
+    for g, w in zip(got_grads, want_grads, strict=True):
+        assert g.dtype == torch.float32 and torch.equal(g, w)
+    with torch.no_grad():  # fp32: the loop, in fp32
+        assert experts(x, torch.tensor(counts)).dtype == torch.float32

@@ -24,9 +24,28 @@ from meshrun.models.args import ModelArgs
 from meshrun.models.feed_forward import FeedForward
 from meshrun.parallel.pipeline import forward_is_step_work
 
-# The experts' compute: torch._grouped_mm fails in fp32 backward on CPU (torch 2.13), so a loop
-# over the experts, one matmul each on its own tokens, on every device for now.
-EXPERT_COMPUTE = "a loop over the experts"
+# The experts' compute, by device and compute dtype (measured with torch 2.13 on CPU):
+# torch._grouped_mm runs forward and backward in bf16, bitwise equal to the loop (any tokens per
+# expert, zeros included, and under torch.compile), but fails in backward in fp32 and when no token
+# at all reaches this rank's experts ("Invalid strides/sizes"). Elsewhere a loop over the experts,
+# one matmul each on its own tokens. CUDA keeps the loop until grouped GEMM is checked on a GPU here
+# (its kernels need sm90 and aligned token counts).
+GROUPED_GEMM = "grouped GEMM (torch._grouped_mm)"
+EXPERT_LOOP = "a loop over the experts"
+
+
+def expert_compute(device_type: str, dtype: torch.dtype) -> str:
+    """How the experts compute on `device_type` in `dtype` (the log names it)."""
+    if device_type == "cpu" and dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm"):
+        return GROUPED_GEMM
+    return EXPERT_LOOP
+
+
+def _compute_dtype(x: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
+    """The dtype the experts' matmuls compute in: autocast's where it is on, else the inputs'."""
+    if torch.is_autocast_enabled(x.device.type):
+        return torch.get_autocast_dtype(x.device.type)
+    return torch.promote_types(x.dtype, weight.dtype)
 STATS = 4  # per layer, after the expert loads: balance-loss sum, forwards, entropy sum, tokens
 
 
@@ -75,13 +94,33 @@ class GroupedExperts(nn.Module):
 
         Under expert parallel the weights are DTensors sharded on the expert dim, and x and
         counts are this rank's experts' tokens (the dispatch ran in a forward pre-hook): the
-        loop runs over the local shard."""
+        compute (expert_compute: grouped GEMM or a loop) runs over the local shard."""
         w1, w2, w3 = (w.to_local() if hasattr(w, "to_local") else w for w in (self.w1, self.w2, self.w3))
-        outs = []
-        for e, part in enumerate(torch.split(x, _split_sizes(counts, x.shape[0]))):
-            hidden = F.silu(part @ w1[e].t()) * (part @ w3[e].t())
-            outs.append(hidden @ w2[e].t())
-        return torch.cat(outs)
+        dtype = _compute_dtype(x, w1)
+        if x.shape[0] and expert_compute(x.device.type, dtype) == GROUPED_GEMM:
+            return experts_by_grouped_gemm(*(t.to(dtype) for t in (x, w1, w2, w3)), counts)  # as autocast casts
+        return experts_by_loop(x, w1, w2, w3, counts)
+
+
+def experts_by_grouped_gemm(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor,
+                            counts: torch.Tensor) -> torch.Tensor:
+    """SwiGLU experts over tokens sorted by expert, three torch._grouped_mm calls (bf16 on CPU)."""
+    offs = torch.cumsum(counts, 0, dtype=torch.int32)
+
+    def grouped(inputs: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return torch._grouped_mm(inputs, weight.transpose(-2, -1), offs=offs)
+
+    return grouped(F.silu(grouped(x, w1)) * grouped(x, w3), w2)
+
+
+def experts_by_loop(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor,
+                    counts: torch.Tensor) -> torch.Tensor:
+    """The same, one matmul per expert on its own tokens (any dtype, device, fake tensors)."""
+    outs = []
+    for e, part in enumerate(torch.split(x, _split_sizes(counts, x.shape[0]))):
+        hidden = F.silu(part @ w1[e].t()) * (part @ w3[e].t())
+        outs.append(hidden @ w2[e].t())
+    return torch.cat(outs)
 
 
 class _AddAuxiliaryLoss(torch.autograd.Function):

@@ -17,13 +17,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from meshrun.models.moe import EXPERT_COMPUTE, STATS, MoE, moe_metrics
+from meshrun.models.moe import STATS, MoE, expert_compute, moe_metrics
 
 
 class MoEStats:
     """This rank's MoE blocks, addressed by their place among every MoE block of the model."""
 
-    def __init__(self, parts: list[nn.Module], args, forwards_per_step: int = 1) -> None:
+    def __init__(self, parts: list[nn.Module], args, forwards_per_step: int = 1, *, device_type: str = "cpu",
+                 dtype: torch.dtype = torch.float32) -> None:
         self.layer_ids = [i for i in range(args.n_layers) if args.is_moe_layer(i)]
         self.local = {m.layer_id: m for part in parts for m in part.modules() if isinstance(m, MoE)}
         for block in self.local.values():
@@ -32,16 +33,19 @@ class MoEStats:
         self.update_bias = args.moe_balance == "bias"
         self.describe = (f"mixture of experts: {args.experts} experts (top {args.experts_per_token}, "
                          f"{args.shared_experts} shared) in {len(self.layer_ids)} of {args.n_layers} blocks, "
-                         f"balance {args.moe_balance!r}; the experts compute as {EXPERT_COMPUTE}")
+                         f"balance {args.moe_balance!r}; the experts compute as {expert_compute(device_type, dtype)} "
+                         f"({device_type}, {str(dtype).removeprefix('torch.')})")
 
     @classmethod
-    def of(cls, parts: list[nn.Module], args, forwards_per_step: int = 1) -> MoEStats | None:
+    def of(cls, parts: list[nn.Module], args, forwards_per_step: int = 1, *, device_type: str = "cpu",
+           dtype: torch.dtype = torch.float32) -> MoEStats | None:
         """None for a dense model (or one that is not the built-in decoder). `forwards_per_step`:
         each block's forwards per optimizer step (grad_accum x pipeline micro-batches), which
-        divides the balance loss's gradient as the training loss is divided."""
+        divides the balance loss's gradient as the training loss is divided. `device_type` and
+        `dtype` (the step's compute dtype) name how the experts compute (models.moe.expert_compute)."""
         if not getattr(args, "experts", 0):
             return None
-        return cls(parts, args, forwards_per_step)
+        return cls(parts, args, forwards_per_step, device_type=device_type, dtype=dtype)
 
     def after_step(self, log_now: bool, device: torch.device, group=None) -> dict[str, float] | None:
         """Sum this step's totals over the ranks (on every rank, on the same steps), move the

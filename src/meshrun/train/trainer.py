@@ -279,7 +279,8 @@ def _setup(cfg: JobConfig, env: DistEnv, run_dir: Path) -> _Run:
     memory.mark_startup()
     return _Run(layout, state, checkpointer, val_loader, seq_len, num_params, flops_tok, memory,
                 moe=MoEStats.of(layout.parts, model_args, forwards_per_step=cfg.train.grad_accum * (
-                    layout.pipeline.plan.microbatches if layout.pipeline is not None else 1)))
+                    layout.pipeline.plan.microbatches if layout.pipeline is not None else 1),
+                    device_type=env.device.type, dtype=torch_dtype(cfg.train.dtype)))
 
 
 def _log_step(run: _Run, cfg: JobConfig, env: DistEnv, step: int, loss, grad_norm, lr, timing,
