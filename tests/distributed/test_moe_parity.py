@@ -11,7 +11,7 @@ same on every rank), and the final expert biases exactly. Measured here, max ove
 both ranks (loss, grad norm): fsdp2 bias 2.4e-6, 1.6e-5; ddp2 bias 2.6e-6, 1.7e-5; fsdp2
 balance loss 7.4e-6, 2.6e-5; pp2 bias 2.6e-6, 1.7e-5; cp2 (no bias) within 1e-3; ep2 bias 4.8e-6, 1.7e-5.
 One 2-rank launch trains every layout in turn, and one 4-rank launch the expert-parallel ones
-(LAYOUTS_4).
+(LAYOUTS_4), tensor parallel of the dense parts beside ep included.
 """
 
 from __future__ import annotations
@@ -65,10 +65,14 @@ LAYOUTS = {  # name -> (degrees, model.moe_balance)
 # (loss, grad norm): ep4 1.4e-5, 9.1e-5; ep2 x fsdp2 1.4e-5, 9.4e-5; ep2 x pp2 1.4e-5, 1.0e-4;
 # plain fsdp 4 gives 1.4e-5, 8.4e-5 too (4 ranks sum the gradients in another order, and the
 # difference grows over the steps): the grad norm (0.9 to 3.5) is compared within NORM_TOL_4.
+# ep2 x tp2: 1.5e-5, 6.0e-5; with sequence parallel and the balance loss: 2.3e-5, 1.4e-4.
 LAYOUTS_4 = {
     "ep4_bias": (dict(dp_shard=4, ep=4), "bias"),
     "ep2_fsdp2_aux_loss": (dict(dp_shard=4, ep=2), "aux_loss"),
     "ep2_pp2_bias": (dict(pp=2, dp_shard=2, ep=2), "bias"),
+    # tp splits the attention only; each tp pair routes the same tokens to the same ep rank's experts
+    "ep2_tp2_bias": (dict(dp_shard=2, ep=2, tp=2), "bias"),
+    "ep2_tp2_sp_aux_loss": (dict(dp_shard=2, ep=2, tp=2, sequence_parallel=True), "aux_loss"),
 }
 
 
@@ -91,6 +95,8 @@ def _train(balance: str, degrees: dict | None = None) -> dict:
     parts, pipeline, cp, pp_group, dp_rank, dp_size, world, pp = [model], None, None, None, 0, 1, 1, 1
     if degrees is not None:
         world = dist.get_world_size()
+        degrees = dict(degrees)
+        sp = degrees.pop("sequence_parallel", False)
         dims = ParallelDims(**{"dp_replicate": 1, "dp_shard": 1, "tp": 1, "pp": 1, **degrees}, world_size=world)
         mesh = dims.build_mesh("cpu")
         dp_rank, dp_size, pp = dims.dp_rank(mesh), dims.dp_size, dims.pp
@@ -102,7 +108,7 @@ def _train(balance: str, degrees: dict | None = None) -> dict:
             pipeline = parallelize_pipeline(model, dims, mesh, plan, device=CPU)
             parts, pp_group = pipeline.parts, mesh["pp"].get_group()
         else:
-            parts = [parallelize_nd(model, dims, mesh, device=CPU)]
+            parts = [parallelize_nd(model, dims, mesh, device=CPU, sequence_parallel=sp)]
     stats = MoEStats.of(parts, args)
     optimizers = [torch.optim.AdamW(part.parameters(), lr=1e-2, weight_decay=0.1) for part in parts]
     per_rank = GLOBAL_BATCH // dp_size
@@ -143,14 +149,15 @@ def test_tiny_moe_fsdp_ddp_pp_cp_ep_match_one_process():
     assert [got["ep2_bias"]["expert_rows"] for got in ranks] == [[2], [2]]
 
 
-@pytest.mark.timeout(150)
+@pytest.mark.timeout(240)
 def test_tiny_moe_expert_parallel_on_4_ranks_matches_one_process():
-    ranks = run_distributed(_rank_layouts_4, world_size=4, timeout=120)
+    ranks = run_distributed(_rank_layouts_4, world_size=4, timeout=200)
     _check(ranks, LAYOUTS_4, norm_tol=NORM_TOL_4)
     for got in ranks:  # 4 experts: 1 per rank under ep 4; ep 2 x efsdp 2: 2 per ep rank, 1 per FSDP shard
         assert got["ep4_bias"]["expert_rows"] == [1]
         assert got["ep2_fsdp2_aux_loss"]["expert_rows"] == [1]
         assert got["ep2_pp2_bias"]["expert_rows"] == [2]  # dp_shard 2 per stage = ep 2: efsdp 1
+        assert got["ep2_tp2_bias"]["expert_rows"] == [2]  # whole experts on each tp rank: 2 per ep rank
 
 
 @functools.cache

@@ -215,11 +215,14 @@ def test_compile_of_experts_is_refused_and_auto_trains_eagerly():
     assert layout_allows(True, 1, False, 1, experts=0) is True
 
 
-def test_tensor_parallel_of_experts_is_refused_in_the_resolver():
-    options = ParallelOptions(strategy="fsdp", tp=2)
-    with pytest.raises(ConfigError, match=r"^parallel\.tp=2 with model\.experts=4: .*parallel\.dp_shard"):
-        resolve_layout(options, 2, ModelShape.from_args(moe_args()))
-    resolve_layout(ParallelOptions(strategy="fsdp", dp_shard=2), 2, ModelShape.from_args(moe_args()))
+def test_tensor_parallel_of_a_moe_model_resolves_with_and_without_ep():
+    """tp splits the attention and dense blocks (the experts stay whole on each tp rank): no refusal."""
+    shape = ModelShape.from_args(moe_args())
+    assert resolve_layout(ParallelOptions(strategy="fsdp", tp=2), 2, shape).dims.tp == 2
+    dims = resolve_layout(ParallelOptions(strategy="fsdp", tp=2, ep=2), 4, shape).dims
+    assert (dims.dp_shard, dims.ep, dims.tp) == (2, 2, 2)
+    with pytest.raises(ConfigError, match=r"^model\.experts=4 is not divisible by parallel\.ep=3"):
+        resolve_layout(ParallelOptions(strategy="fsdp", ep=3), 3, shape)
 
 
 @pytest.mark.parametrize(("kw", "message"), [
@@ -275,12 +278,12 @@ def test_bad_moe_keys_are_one_line_and_exit_2_through_the_cli():
     results = meshrun_each(
         [*base, "--set", "model.experts_per_token=5"],
         [*base, "--set", "model.moe_balance=loss"],
-        [*base, "--set", "parallel.strategy=fsdp", "--set", "parallel.tp=2", "--nproc-per-node", "2"],
+        [*base, "--set", "parallel.strategy=fsdp", "--set", "parallel.ep=3", "--nproc-per-node", "3"],
         [*base, "--set", "model.moe_balance=aux_loss", "--set", "train.dtype=fp16", "--nproc-per-node", "1"],
     )
     expected = ["model.experts_per_token must be an integer from 1 to model.experts=4, got 5",
                 "model.moe_balance must be 'bias', 'aux_loss', 'none' or ''",
-                "parallel.tp=2 with model.experts=4: tensor parallel of a mixture-of-experts model",
+                "model.experts=4 is not divisible by parallel.ep=3",
                 "model.moe_balance='aux_loss' with train.dtype='fp16': the balance loss's gradient bypasses"]
     for result, text in zip(results, expected, strict=True):
         assert result.returncode == 2, result.output

@@ -219,7 +219,7 @@ class ParallelSection(Section):
     cp: int = doc_field(1, "Context-parallel degree: each sequence split over this many ranks (ring attention, head-tail load balanced; data.seq_len divisible by 2 x cp; needs strategy 'fsdp', the built-in model or model.hf with full causal attention); 1 = off.")
     tp: int = doc_field(1, "Tensor-parallel degree (heads and FFN split over ranks); 1 = off.")
     pp: int = doc_field(1, "Pipeline-parallel stages; 1 = off.")
-    ep: int = doc_field(1, "Expert-parallel degree: the routed experts (model.experts, divisible by ep) split over this many of the dp_shard ranks, tokens sent to them by all-to-all; borrows from dp_shard (ep divides it; strategy 'fsdp', cp = 1, tp = 1); 1 = off.")
+    ep: int = doc_field(1, "Expert-parallel degree: the routed experts (model.experts, divisible by ep) split over this many of the dp_shard ranks, tokens sent to them by all-to-all; borrows from dp_shard (ep divides it; strategy 'fsdp', cp = 1; tp splits the dense parts beside it); 1 = off.")
     pp_schedule: str = doc_field("gpipe", "Pipeline schedule: 'gpipe', '1f1b' (one stage per rank), or 'interleaved_1f1b', 'looped_bfs', 'interleaved_zero_bubble' (several per rank; zero bubble only without data parallel).")
     pp_microbatches: int = doc_field(0, "Micro-batches per pipeline step, dividing train.batch_size; 0 = one per stage.")
     pp_stages_per_rank: int = doc_field(0, "Pipeline stages each rank holds; 0 = 1, or 2 for the interleaved schedules (which need >= 2).")

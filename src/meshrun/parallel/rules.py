@@ -332,12 +332,9 @@ def _heads_problem(tp: int, world_size: int, n_heads: int | None, n_kv_heads: in
     return None
 
 
-def _experts_problem(tp: int, experts: int | None, ep: int = 1) -> str | None:
-    """The tensor-parallel plan shards a dense feed-forward; it has none for an expert. Expert
-    parallel needs experts, a whole number of them on each ep rank."""
-    if tp > 1 and experts:
-        return (f"parallel.tp={tp} with model.experts={experts}: tensor parallel of a mixture-of-experts "
-                "model is not supported yet; set parallel.tp=1 and shard with parallel.dp_shard (FSDP)")
+def _experts_problem(experts: int | None, ep: int = 1) -> str | None:
+    """Expert parallel needs experts, a whole number of them on each ep rank. (Tensor parallel
+    splits a mixture-of-experts model's attention and dense blocks: meshrun.parallel.tp.)"""
     if ep > 1 and experts == 0:
         return _no_experts(ep)
     if ep > 1 and experts is not None and experts % ep:
@@ -349,9 +346,9 @@ def _experts_problem(tp: int, experts: int | None, ep: int = 1) -> str | None:
 def check_model_shape(*, tp: int, pp: int, world_size: int, n_heads: int | None = None,
                       n_kv_heads: int | None = None, n_layers: int | None = None,
                       tie_embeddings: bool | None = None, experts: int | None = None, ep: int = 1) -> None:
-    """tp divides the heads, pp stages have a block each, no tied embeddings under pp, no tp of
-    experts, ep divides the experts; None skips."""
-    problem = _heads_problem(tp, world_size, n_heads, n_kv_heads) or _experts_problem(tp, experts, ep)
+    """tp divides the heads, pp stages have a block each, no tied embeddings under pp, ep divides
+    the experts; None skips."""
+    problem = _heads_problem(tp, world_size, n_heads, n_kv_heads) or _experts_problem(experts, ep)
     if problem:
         raise ConfigError(problem)
     check_stages(pp, n_layers, world_size)
@@ -363,7 +360,7 @@ def model_fits(*, tp: int, pp: int, n_heads: int, n_kv_heads: int, n_layers: int
                tie_embeddings: bool = False, experts: int = 0, ep: int = 1) -> bool:
     """`check_model_shape` as a test (`meshrun plan` lists the layouts that pass)."""
     return (_heads_problem(tp, tp, n_heads, n_kv_heads) is None and pp <= n_layers
-            and not (pp > 1 and tie_embeddings) and _experts_problem(tp, experts, ep) is None)
+            and not (pp > 1 and tie_embeddings) and _experts_problem(experts, ep) is None)
 
 
 def check_compile(compile_on: bool, tp: int, sequence_parallel: bool, cp: int = 1, experts: int = 0) -> None:

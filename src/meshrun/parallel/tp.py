@@ -29,6 +29,7 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
+    PrepareModuleInputOutput,
     RowwiseParallel,
     SequenceParallel,
     parallelize_module,
@@ -40,6 +41,7 @@ logger = logging.getLogger(__name__)
 
 BLOCK_MODULES = ("attention_norm", "attention.wq", "attention.wk", "attention.wv", "attention.wo",
                  "ffn_norm", "feed_forward.w1", "feed_forward.w2", "feed_forward.w3")
+DENSE_FFN = ("feed_forward.w1", "feed_forward.w2", "feed_forward.w3")
 
 
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool = False,
@@ -53,14 +55,29 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool =
     A model with a `tp_block_plan(sequence_parallel)` method (the HF adapter) gives its own
     per-block plan; otherwise the built-in one (names in BLOCK_MODULES) applies, and a model
     without those names gets a ModelError.
+
+    A mixture-of-experts block (its feed-forward routes tokens to grouped experts, meshrun.models.moe)
+    splits its attention only: the router, the routed experts and the shared experts stay whole on
+    every tp rank, which all see the same tokens (the attention's output is all-reduced, or
+    all-gathered under sequence parallel), so they compute and get the same gradients there, as
+    one process; expert parallel shards the routed experts over its own ep ranks, which never
+    include two ranks of one tp group. Only the dense parts are tensor parallel.
     """
     own_plan = getattr(model, "tp_block_plan", None)  # a model's own block plan (models.hf)
     _check_layout(model, blocks=own_plan is None)
-    block_plan = own_plan(sequence_parallel) if own_plan is not None else _block_plan(sequence_parallel)
     parallelize_module(model, tp_mesh, _root_plan(model, sequence_parallel, loss_parallel))
     for block in _blocks(model):
-        parallelize_module(_unwrapped(block), tp_mesh, block_plan)
+        block = _unwrapped(block)
+        plan = (own_plan(sequence_parallel) if own_plan is not None
+                else _block_plan(sequence_parallel, dense_ffn=not _routes_tokens(block)))
+        parallelize_module(block, tp_mesh, plan)
     return model
+
+
+def _routes_tokens(block: nn.Module) -> bool:
+    """Whether `block`'s feed-forward is a mixture of experts (it holds routed grouped experts)."""
+    experts = getattr(getattr(block, "feed_forward", None), "experts", None)
+    return bool(getattr(experts, "routed_by_counts", False))
 
 
 def _root_plan(model: nn.Module, sp: bool, loss_parallel: bool) -> dict:
@@ -96,19 +113,23 @@ def _root_plan(model: nn.Module, sp: bool, loss_parallel: bool) -> dict:
     return plan
 
 
-def _block_plan(sp: bool) -> dict:
-    """wq/wk/wv and w1/w3 colwise (whole heads / FFN slices per rank), wo and w2 rowwise."""
+def _block_plan(sp: bool, dense_ffn: bool = True) -> dict:
+    """wq/wk/wv and w1/w3 colwise (whole heads / FFN slices per rank), wo and w2 rowwise; with
+    `dense_ffn` False (a mixture of experts) the feed-forward stays whole (see apply_tp)."""
     plan: dict = {
         "attention.wq": ColwiseParallel(),
         "attention.wk": ColwiseParallel(),
         "attention.wv": ColwiseParallel(),
         "attention.wo": RowwiseParallel(output_layouts=Shard(1) if sp else Replicate(),
                                         use_local_output=not sp),
-        "feed_forward.w1": ColwiseParallel(),
-        "feed_forward.w3": ColwiseParallel(),
-        "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1) if sp else Replicate(),
-                                           use_local_output=not sp),
     }
+    if dense_ffn:
+        plan.update({
+            "feed_forward.w1": ColwiseParallel(),
+            "feed_forward.w3": ColwiseParallel(),
+            "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1) if sp else Replicate(),
+                                               use_local_output=not sp),
+        })
     if sp:
         plan.update({
             "attention_norm": SequenceParallel(),
@@ -117,9 +138,14 @@ def _block_plan(sp: bool) -> dict:
             "attention": PrepareModuleInput(input_layouts=(Shard(1), None, None),
                                             desired_input_layouts=(Replicate(), None, None),
                                             use_local_output=True),
+            # A whole (mixture-of-experts) feed-forward gives every tp rank's output in full: its
+            # local part of the sequence goes on in the residual stream, with no communication.
             "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),),
                                                desired_input_layouts=(Replicate(),),
-                                               use_local_output=True),
+                                               use_local_output=True) if dense_ffn else
+            PrepareModuleInputOutput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
+                                     use_local_input=True, output_layouts=(Replicate(),),
+                                     desired_output_layouts=(Shard(1),), use_local_output=False),
         })
     return plan
 
@@ -142,7 +168,7 @@ def _check_layout(model: nn.Module, *, blocks: bool = True) -> None:
     if not blocks:
         return
     for index, block in enumerate(_blocks(model)):
-        for name in BLOCK_MODULES:
+        for name in BLOCK_MODULES if not _routes_tokens(_unwrapped(block)) else set(BLOCK_MODULES) - set(DENSE_FFN):
             try:
                 _unwrapped(block).get_submodule(name)
             except AttributeError:

@@ -48,15 +48,16 @@ def dtype_bytes(dtype: str) -> int:
     return DTYPE_BYTES[dtype]
 
 
-def _moe_extra_bytes(args: ModelArgs, tokens: int, elem: int) -> int:
-    """What a mixture-of-experts block (meshrun.models.moe; never under tp) saves beyond a dense
-    one: its SwiGLU tensors at the active width (top-k + shared) x moe_hidden instead of
-    ffn_hidden; each token's k gathered inputs, expert outputs and weighted outputs (3kh); the
-    fp32 router scores, chosen weights, their sum and weight column (E + 2k + 1); and three int64
-    index vectors of k per token (the choice, the sort by expert, the token of each slot)."""
+def _moe_extra_bytes(args: ModelArgs, tokens: int, elem: int, tp: int = 1) -> int:
+    """What a mixture-of-experts block (meshrun.models.moe) saves beyond a dense one: its SwiGLU
+    tensors at the active width (top-k + shared) x moe_hidden, whole on every tp rank (tp splits
+    only its attention), instead of the dense block's ffn_hidden split by tp; each token's k
+    gathered inputs, expert outputs and weighted outputs (3kh); the fp32 router scores, chosen
+    weights, their sum and weight column (E + 2k + 1); and three int64 index vectors of k per
+    token (the choice, the sort by expert, the token of each slot)."""
     k = args.experts_per_token
     active = (k + args.shared_experts) * args.moe_hidden
-    return tokens * ((4 * (active - args.ffn_hidden) + 3 * k * args.dim) * elem
+    return tokens * ((4 * active - 4 * (args.ffn_hidden // tp) + 3 * k * args.dim) * elem
                      + 4 * (args.experts + 2 * k + 1) + 8 * 3 * k)
 
 
@@ -79,7 +80,7 @@ def _stage_bytes(args: ModelArgs, tp: int, tokens: int, elem: int, *, blocks: in
     # What only the weight gradients read (the norms' two h-wide outputs, w2's input), freed by
     # a zero-bubble W; the rest stays until its graph goes at the end of the step.
     weight_only = tokens * ((-(-(2 * h) // tp) + 2 * h if sp else 4 * h) + -(-f // tp))
-    moe = _moe_extra_bytes(args, tokens, elem) if moe_blocks else 0
+    moe = _moe_extra_bytes(args, tokens, elem, tp) if moe_blocks else 0
     if activation_checkpointing:  # block inputs, plus one block's activations while recomputed
         acts = (blocks * tokens * h + per_layer) * elem + moe if blocks else 0
         kept = acts

@@ -111,7 +111,7 @@ def estimate(args: ModelArgs, dims: ParallelDims, *, batch_size: int, seq_len: i
 def layouts(args: ModelArgs, world_size: int, seq_len: int = 0) -> list[ParallelDims]:
     """Every (dp_replicate, dp_shard, tp, pp) with product world_size that the layout rules accept
     for `args` (`rules.model_fits`: tp divides n_heads and n_kv_heads, pp <= n_layers, no pp with
-    tied embeddings, no tp of experts). With a `seq_len`, also the context-parallel ones: cp > 1 dividing the
+    tied embeddings, ep dividing the experts). With a `seq_len`, also the context-parallel ones: cp > 1 dividing the
     ranks left, seq_len divisible by 2 x cp (`rules.check_context_parallel`)."""
     check_world_size(world_size)
     found = divisors(world_size)
