@@ -126,6 +126,12 @@ def _train(hf_dir: str, options: dict, world: int, *, tie: bool | None = None, e
                                  need_grad_norm=False)
         losses.append(layout_mean_loss(layout, loss))
     result: dict = {"losses": losses}
+    if options.get("ep", 1) > 1:  # what each rank holds of the routed experts, and what it sent
+        from meshrun.parallel.expert_parallel import expert_modules
+
+        experts = [m for part in layout.parts for m in expert_modules(part)]
+        result["expert_rows"] = sorted({p.to_local().shape[0] for m in experts for p in m.parameters()})
+        result["rows_sent"] = sum(m.ep_style.rows_bytes for m in experts)
     if export_to:
         result["logits"] = _export(layout.parts[0], hf_dir, export_to, tokens[:2, :-1], tie)
     return result

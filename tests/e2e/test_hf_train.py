@@ -1,7 +1,8 @@
 """`meshrun train --set model.hf=DIR` end to end through the CLI, against plain `transformers`.
 
 Tiny models saved with save_pretrained (conftest.save_tiny_hf), on 1 and 2 processes: one process
-(tied Qwen3), context parallel 2 (Llama) and FSDP 2 with its export (every other layout, and 2-D compositions on 4 ranks, run
+(tied Qwen3), context parallel 2 (Llama), expert parallel 2 (Mixtral, its experts stored one by one
+as published checkpoints are) and FSDP 2 with its export (every other layout, and 2-D compositions on 4 ranks, run
 in-process over twelve architectures in tests/distributed/test_hf_matrix.py; PP 2 through the CLI
 in test_refusals_name_a_fix_and_the_fix_runs below). Each run trains STEPS steps on
 the built-in corpus and logs the loss every step; the reference trains the single-process
@@ -80,6 +81,7 @@ def hf_dirs(tmp_path_factory):
     dirs = {family: save_tiny_hf(root / family, family) for family in ("llama", "qwen3")}
     dirs["gpt2"] = hf_zoo.save_tiny(root / "gpt2", "gpt2")  # no base_model_tp_plan, a tied head
     dirs["mistral"] = hf_zoo.save_tiny(root / "mistral", "mistral")  # a sliding window context parallel refuses
+    dirs["mixtral"] = hf_zoo.save_tiny(root / "mixtral", "mixtral")  # experts stored one by one (converted on load)
     return dirs
 
 
@@ -89,8 +91,9 @@ RUNS = {
     "fsdp2_llama": ("llama", 2, ("parallel.strategy=fsdp",)),
     "cp2_llama": ("llama", 2, ("parallel.strategy=fsdp", "parallel.cp=2")),  # one sequence over 2 ranks
     "untied": ("gpt2", 2, ("parallel.pp=2", "model.tie_embeddings=false")),  # the fix of a refusal below
+    "ep2_mixtral": ("mixtral", 2, ("parallel.strategy=fsdp", "parallel.ep=2")),  # 2 of the 4 experts per rank
 }
-EXPORTED = ("fsdp2_llama", "untied", "cp2_llama")
+EXPORTED = ("fsdp2_llama", "untied", "cp2_llama", "ep2_mixtral")
 
 
 def _refusals(tmp, dirs) -> dict[str, list[str]]:
@@ -135,7 +138,7 @@ def runs(tmp_path_factory, hf_dirs) -> dict:
             "refused": dict(zip(refusals, results[len(EXPORTED):], strict=True))}
 
 
-@pytest.mark.parametrize("name", ["1proc_qwen3_tied", "fsdp2_llama", "cp2_llama"])
+@pytest.mark.parametrize("name", ["1proc_qwen3_tied", "fsdp2_llama", "cp2_llama", "ep2_mixtral"])
 def test_train_matches_transformers(runs, name):
     family, nproc, sets = RUNS[name]
     run_dir, dp = runs["trained"][name]

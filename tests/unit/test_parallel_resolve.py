@@ -206,8 +206,8 @@ def test_expert_parallel_borrows_dp_shard_and_divides_the_experts():
     assert "parallel.ep=2 splits routed experts, but the model has none" in error(
         ParallelOptions(strategy="fsdp", ep=2), 4, dataclasses.replace(MODEL, experts=0))
     resolve_layout(ParallelOptions(strategy="fsdp", ep=2), 4, MODEL)  # experts unknown: checked at build
-    with pytest.raises(ConfigError, match="parallel.ep=2 splits the built-in model's routed experts; "
-                                          "model.factory='pkg.mod:fn' is not split"):
+    with pytest.raises(ConfigError, match="parallel.ep=2 splits the routed experts of the built-in model and of "
+                                          "model.hf; model.factory='pkg.mod:fn' is not split"):
         load_config(None, ["parallel.strategy=fsdp", "parallel.ep=2", "model.factory=pkg.mod:fn"])
     assert load_config(None, ["parallel.strategy=fsdp", "parallel.ep=2"]).parallel.ep == 2
     with pytest.raises(ConfigError, match="parallel.ep=2 splits the experts over data-parallel shard ranks"):
@@ -278,7 +278,7 @@ MESSAGES = [
     "(expert parallel borrows",
     "is not divisible by parallel.ep=",
     "splits routed experts, but the model has none",
-    "splits the built-in model's routed experts;",
+    "splits the routed experts of the built-in model and of model.hf;",
 ]
 # ConfigErrors outside rules.py that name a parallel key but are no layout rule: misuse of the build
 # API (parallelize.py), and `meshrun plan --show` asking for its --world flag.

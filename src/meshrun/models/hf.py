@@ -48,6 +48,7 @@ from meshrun.extras import missing_extra_message
 from meshrun.models.hf_config import (
     TP_STYLES,
     context_parallel_refusal,
+    hf_routed_experts,
     layer_tp_plan,
     model_args_from_hf,
     read_hf_config,
@@ -146,6 +147,7 @@ class HFCausalLM(nn.Module):
         parts = HFParts.find(hf, where)
         base = hf.get_submodule(parts.base)
         self.hf_dir, self.args, self.config, self.parts = path, args, hf.config, parts
+        self.routed_experts = hf_routed_experts(path)  # what parallel.ep splits (resolve.ModelShape)
         self.tok_embeddings: nn.Module | None = getattr(base, parts.embed)
         self.layers = nn.ModuleDict({str(i): layer for i, layer in enumerate(getattr(base, parts.layers))})
         self.norm: nn.Module | None = getattr(base, parts.norm) if parts.norm else None

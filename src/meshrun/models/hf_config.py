@@ -97,6 +97,21 @@ def _check_shape_keys(config: dict[str, Any], where: str) -> None:
         raise ConfigError(f"{where}: {CONFIG_FILE} tie_word_embeddings={json.dumps(tie)[:60]} is not true or false; {fix}")
 
 
+# config.json's count of routed experts, by architecture (Mixtral; Qwen2/3-MoE, OLMoE; DeepSeek).
+ROUTED_EXPERTS_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
+
+
+def hf_routed_experts(path: str) -> int:
+    """The routed experts of the HF model in `path` (0 for a dense one): what expert parallel splits."""
+    c = read_hf_config(path)
+    text = c.get("text_config") if isinstance(c.get("text_config"), dict) else c
+    for key in ROUTED_EXPERTS_KEYS:
+        value = text.get(key)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return 0
+
+
 def model_args_from_hf(path: str, vocab_size: int | None = None, hf_config: Any = None) -> ModelArgs:
     """The built-in `ModelArgs` with the HF model's shape: what the layout rules, `meshrun plan`
     and the FLOPs count read. `vocab_size` is the tokenizer's: it must fit the model's. Given

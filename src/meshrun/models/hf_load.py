@@ -204,6 +204,8 @@ def check_hf_weights(path: str, expected: dict[str, tuple[int, ...]] | None = No
     if expected is None:
         return
     missing = sorted(set(expected) - set(found))
+    if missing and converted_on_load(path):
+        return  # stored in the layout transformers converts (experts one by one): its loader checks them
     if missing:
         raise ConfigError(f"model.hf={path!r}: its safetensors lack {len(missing)} tensor(s) the model needs, "
                           f"e.g. {missing[0]}; {fix}")
@@ -212,6 +214,17 @@ def check_hf_weights(path: str, expected: dict[str, tuple[int, ...]] | None = No
         name = wrong[0]
         raise ConfigError(f"model.hf={path!r}: {found[name][0]} holds {name} as {list(found[name][1])}, "
                           f"but config.json makes it {list(expected[name])} ({len(wrong)} tensor(s) differ); {fix}")
+
+
+def converted_on_load(path: str) -> bool:
+    """Whether transformers converts checkpoints of this directory's model_type when it loads them
+    (a mixture of experts stored expert by expert, as Mixtral's and Qwen-MoE's are published):
+    their file names then differ from the model's, and _load_converted takes that path."""
+    from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+
+    from meshrun.models.hf_config import read_hf_config
+
+    return bool(get_checkpoint_conversion_mapping(read_hf_config(path).get("model_type")))
 
 
 def local_like(full: torch.Tensor, param: torch.Tensor) -> torch.Tensor:

@@ -34,14 +34,24 @@ from torch.distributed.tensor.parallel import ParallelStyle
 
 
 def expert_modules(model: nn.Module) -> Iterator[nn.Module]:
-    """The grouped-experts modules of `model` whose forward takes (tokens sorted by expert, tokens
-    per expert), `routed_by_counts`, with an int `num_experts` and only (num_experts, ...)
-    parameters (meshrun.models.moe.GroupedExperts); the router and shared experts are not."""
+    """The grouped-experts modules of `model`, with an int `num_experts` and only (num_experts, ...)
+    parameters: the built-in model's, whose forward takes (tokens sorted by expert, tokens per
+    expert), `routed_by_counts` (meshrun.models.moe.GroupedExperts), and a Hugging Face model's
+    (`hf_routed`: transformers' `use_experts_implementation` experts, forward(hidden states,
+    top-k expert ids, top-k weights), e.g. MixtralExperts). Routers and shared experts are not."""
     for module in model.modules():
-        n = getattr(module, "num_experts", None) if getattr(module, "routed_by_counts", False) else None
+        n = getattr(module, "num_experts", None) if (getattr(module, "routed_by_counts", False)
+                                                      or hf_routed(module)) else None
         params = list(module.parameters(recurse=False))
         if isinstance(n, int) and params and all(p.dim() >= 2 and p.shape[0] == n for p in params):
             yield module
+
+
+def hf_routed(module: nn.Module) -> bool:
+    """Whether `module` is transformers' experts (MixtralExperts, Qwen2MoeExperts...): its class's
+    forward dispatches on `config._experts_implementation` (transformers.integrations.moe)."""
+    return hasattr(module, "_is_expert_parallel") and hasattr(getattr(module, "config", None),
+                                                               "_experts_implementation")
 
 
 class ExpertParallel(ParallelStyle):
@@ -104,13 +114,81 @@ class ExpertParallel(ParallelStyle):
 
 def apply_ep(model: nn.Module, ep_mesh: DeviceMesh) -> list[ExpertParallel]:
     """Shard every grouped-experts module of `model` over the 1-D `ep_mesh`, in place; the styles
-    applied (also each module's `ep_style`, for its counters). Call before FSDP, like tensor parallel."""
+    applied (also each module's `ep_style`, for its counters). Call before FSDP, like tensor parallel.
+    A Hugging Face model's experts get their weights sharded the same way and compute through
+    HF_EP_IMPLEMENTATION (see _hf_experts_forward)."""
     from torch.distributed.tensor.parallel import parallelize_module
 
     styles = []
-    for module in expert_modules(model):
-        style = ExpertParallel()
-        parallelize_module(module, ep_mesh, style)
+    modules = list(expert_modules(model))
+    for module in modules:  # what each computes with on its rank, before the config is switched
+        if hf_routed(module) and module.config._experts_implementation != HF_EP_IMPLEMENTATION:
+            module._meshrun_local_experts = module.config._experts_implementation or "eager"
+    for module in modules:
+        if hf_routed(module):
+            style = ExpertParallel()
+            ExpertParallel._partition("", module, ep_mesh)
+            _route_hf_experts(module, ep_mesh)
+        else:
+            style = ExpertParallel()
+            parallelize_module(module, ep_mesh, style)
         module.ep_style = style
         styles.append(style)
     return styles
+
+
+# The name under which transformers' experts (a model.hf MoE) compute under expert parallel: a
+# function registered in transformers' ExpertsInterface, which their forward looks up by
+# `config._experts_implementation`, the one extension point transformers gives for it.
+HF_EP_IMPLEMENTATION = "meshrun_expert_parallel"
+
+
+def _route_hf_experts(module: nn.Module, mesh: DeviceMesh) -> None:
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+    ALL_EXPERTS_FUNCTIONS[HF_EP_IMPLEMENTATION] = _hf_experts_forward
+    module.config._experts_implementation = HF_EP_IMPLEMENTATION
+    module._ep_mesh = mesh
+
+
+class _LocalExperts:
+    """What transformers' own experts forward sees of `module` on this ep rank: its local experts'
+    weights (plain tensors, through DTensor's differentiable to_local) and their number; every
+    other attribute (act_fn, the layout flags, _apply_gate) is the module's."""
+
+    def __init__(self, module: nn.Module):
+        self._module = module
+        self._local = {name: p.to_local() if hasattr(p, "to_local") else p
+                       for name, p in module.named_parameters(recurse=False)}
+        self.num_experts = next(iter(self._local.values())).shape[0]
+
+    def __getattr__(self, name: str):
+        local = self.__dict__.get("_local", {})
+        return local[name] if name in local else getattr(self.__dict__["_module"], name)
+
+
+def _hf_experts_forward(module: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                        top_k_weights: torch.Tensor) -> torch.Tensor:
+    """transformers' experts forward under expert parallel: each (token, choice) slot goes to the
+    ep rank holding its expert and back (ExpertParallel's dispatch and combine, as for the built-in
+    model), the local experts compute with the model's own experts implementation (eager,
+    grouped_mm...) on one slot per row at weight 1, and the router's weights mix the k outputs of
+    each token at home."""
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+    style, mesh = module.ep_style, module._ep_mesh
+    tokens, k = top_k_index.shape
+    experts = top_k_index.reshape(-1)
+    order = torch.argsort(experts, stable=True)
+    counts = torch.bincount(experts, minlength=module.num_experts)
+    rows, local_counts = style._dispatch(module, (hidden_states[order // k], counts), mesh)
+    local = _LocalExperts(module)
+    ids = torch.repeat_interleave(torch.arange(local.num_experts, device=rows.device), local_counts)
+    own = ALL_EXPERTS_FUNCTIONS.get_interface(module._meshrun_local_experts,
+                                              type(module).forward.__wrapped__)
+    out = own(local, rows, ids[:, None], torch.ones(rows.shape[0], 1, dtype=top_k_weights.dtype,
+                                                        device=rows.device))
+    back = style._combine(module, out, mesh)  # the slots in `order`
+    weighted = back * top_k_weights.reshape(-1)[order, None].to(back.dtype)
+    slots = torch.empty_like(weighted).index_copy(0, order, weighted)  # slot order: token-major
+    return slots.view(tokens, k, -1).sum(1).to(hidden_states.dtype)

@@ -15,7 +15,7 @@ layout is refused before torch loads.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import TYPE_CHECKING, Any
 
 from meshrun.parallel import rules, rules_pp
@@ -122,11 +122,14 @@ class ModelShape:
 
     @classmethod
     def from_model(cls, model: Any) -> ModelShape:
-        """From a module: its `args` if it has them, else the depth of `model.layers` alone."""
+        """From a module: its `args` if it has them, else the depth of `model.layers` alone; a
+        model.hf adapter's `routed_experts` (its args, the built-in shape, have none)."""
         inner = getattr(model, "module", model)  # DDP's wrapper
         args = getattr(inner, "args", None)
         if args is not None:
-            return cls.from_args(args)
+            shape = cls.from_args(args)
+            routed = getattr(inner, "routed_experts", None)
+            return replace(shape, experts=routed) if routed else shape
         layers = getattr(inner, "layers", None)
         return cls(n_layers=len(layers) if layers is not None else None)
 

@@ -139,19 +139,19 @@ def check_expert_parallel(ep: int, *, dp_shard: int, cp: int = 1, strategy: str 
 
 
 def check_ep_model(ep: int, *, hf: str = "", factory: str = "") -> None:
-    """Expert parallel dispatches the tokens of the built-in model's grouped experts (their forward
-    takes tokens sorted by expert and the count per expert); a model.hf or model.factory model's
-    experts compute their own way."""
-    if ep <= 1 or not (hf or factory):
+    """Expert parallel dispatches the tokens of the built-in model's grouped experts and of
+    transformers' experts (model.hf: an MoE without them is refused at build, as a dense model
+    is); a model.factory model's experts compute their own way."""
+    if ep <= 1 or not factory:
         return
-    key, value = ("model.hf", hf) if hf else ("model.factory", factory)
-    raise ConfigError(f"parallel.ep={ep} splits the built-in model's routed experts; {key}={value!r} is not split "
-                      "(its experts route their own tokens); set parallel.ep=1 and shard with parallel.dp_shard")
+    raise ConfigError(f"parallel.ep={ep} splits the routed experts of the built-in model and of model.hf; "
+                      f"model.factory={factory!r} is not split (its experts route their own tokens); "
+                      "set parallel.ep=1 and shard with parallel.dp_shard")
 
 
 def _no_experts(ep: int) -> str:
     return (f"parallel.ep={ep} splits routed experts, but the model has none (the built-in model with "
-            "model.experts > 0 has them); set parallel.ep=1")
+            "model.experts > 0 and a model.hf mixture of experts have them); set parallel.ep=1")
 
 
 def check_experts_found(ep: int, found: int) -> None:

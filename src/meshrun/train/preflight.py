@@ -353,6 +353,12 @@ def _check_layout(cfg: JobConfig, vocab_size: int, nproc_per_node: str, nnodes: 
         from meshrun.models.from_config import model_args_from_config
 
         model = ModelShape.from_args(model_args_from_config(cfg.model, vocab_size))
+        if cfg.model.hf:  # a mixture of experts routes in transformers' code: its experts, from config.json
+            import dataclasses
+
+            from meshrun.models.hf_config import hf_routed_experts
+
+            model = dataclasses.replace(model, experts=hf_routed_experts(cfg.model.hf))
     layout = resolve_layout(options, world, model)
     if cfg.model.hf and (layout.dims.tp > 1 or layout.dims.pp > 1):
         # what the architecture's structure allows, from transformers' own build on meta
