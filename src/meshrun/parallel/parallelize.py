@@ -127,9 +127,12 @@ def _apply_nd(model: nn.Module, dims: ParallelDims, mesh, *, device: torch.devic
     or a pp stage)."""
     check_tp_features(dims.tp, dims.pp, sequence_parallel, loss_parallel)
     if dims.tp_enabled:
+        from dataclasses import asdict
+
+        from meshrun.parallel.resolve import ModelShape
         from meshrun.parallel.tp import apply_tp
 
-        dims.check_model_args(getattr(model, "args", None))  # a ConfigError, not a shape error
+        dims.check_model(**asdict(ModelShape.from_model(model)))  # a ConfigError, not a shape error
         apply_tp(model, mesh["tp"], sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
     if dims.ep_enabled:
         from meshrun.parallel.expert_parallel import apply_ep, expert_modules
