@@ -136,3 +136,29 @@ def test_pipeline_is_refused_when_the_order_of_the_input_parts_cannot_be_seen(tm
     with pytest.raises(ConfigError, match=r"parallel.pp=2: model.hf=.* registers wpe before its decoder layers.*"
                                           r"set parallel.pp=1 and shard with parallel.dp_shard"):
         model.check_layout(tp=1, pp=2)
+
+
+@pytest.mark.parametrize(("key", "experts"), [("num_local_experts", 8), ("num_experts", 4), ("n_routed_experts", 64),
+                                               (None, 0)])
+def test_expert_parallel_of_an_hf_model_reads_its_routed_experts_before_launch(tmp_path, key, experts):
+    """Mixtral's, Qwen-MoE's and DeepSeek's count of routed experts: ep must divide it, and a dense
+    model has none to split; the same rule the built-in model's experts get."""
+    from meshrun.models.from_config import model_shape_from_config
+    from meshrun.models.hf_config import hf_routed_experts
+    from meshrun.train.preflight import _check_layout
+
+    def check_layout_before_launch(cfg, world: int) -> None:  # the pre-launch layout check, as train runs it
+        _check_layout(cfg, 259, str(world), "1")
+
+    path = str(_hf_dir(tmp_path, {**QWEN3, **({key: experts} if key else {})}))
+    assert hf_routed_experts(path) == experts
+    base = [f"model.hf={path}", "data.seq_len=64", "parallel.strategy=fsdp"]
+    cfg = load_config(None, base)
+    assert model_shape_from_config(cfg.model, model_args_from_config(cfg.model, 259)).experts == experts
+    if experts:
+        check_layout_before_launch(load_config(None, [*base, "parallel.ep=2"]), world=2)
+        with pytest.raises(ConfigError, match=rf"model.experts={experts} is not divisible by parallel.ep=3"):
+            check_layout_before_launch(load_config(None, [*base, "parallel.ep=3"]), world=3)
+    else:
+        with pytest.raises(ConfigError, match=r"parallel.ep=2 splits routed experts, but the model has none"):
+            check_layout_before_launch(load_config(None, [*base, "parallel.ep=2"]), world=2)

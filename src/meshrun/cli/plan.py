@@ -176,14 +176,15 @@ def _world_for_show(cfg, world: int | None) -> int:
     return prod(degrees.values())
 
 
-def _config_line(cfg, plan: Plan, args, world: int, batch: int, seq: int) -> str:
+def _config_line(cfg, plan: Plan, args, world: int, batch: int, seq: int, own_model: bool = True) -> str:
     """Where the config's own [parallel] layout, resolved for `world`, sits in the table."""
     from meshrun.errors import MeshrunError
-    from meshrun.parallel.resolve import ModelShape, ParallelOptions, resolve_layout
+    from meshrun.models.from_config import model_shape_from_config
+    from meshrun.parallel.resolve import ParallelOptions, resolve_layout
 
     options = replace(ParallelOptions.from_config(cfg), batch_size=batch, seq_len=seq)
     try:
-        layout = resolve_layout(options, world, ModelShape.from_args(args))
+        layout = resolve_layout(options, world, model_shape_from_config(cfg.model if own_model else None, args))
     except MeshrunError as err:
         return f"config [parallel] on {world} ranks: refused ({err})"
     from meshrun.plan.experts import expert_plan
@@ -198,9 +199,9 @@ def _config_line(cfg, plan: Plan, args, world: int, batch: int, seq: int) -> str
 
 def main(argv: list[str]) -> int:
     from meshrun.config import load_config
-    from meshrun.models.from_config import model_args_from_config
+    from meshrun.models.from_config import model_args_from_config, model_shape_from_config
     from meshrun.models.sizes import get_size
-    from meshrun.parallel.resolve import ModelShape, ParallelOptions, resolve_layout
+    from meshrun.parallel.resolve import ParallelOptions, resolve_layout
     from meshrun.plan.show import format_show
 
     a = build_parser().parse_args(argv)
@@ -217,7 +218,8 @@ def main(argv: list[str]) -> int:
         options = ParallelOptions.from_config(cfg)
         if a.batch_size:
             options = replace(options, batch_size=a.batch_size)
-        layout = resolve_layout(options, _world_for_show(cfg, a.world), ModelShape.from_args(args))
+        layout = resolve_layout(options, _world_for_show(cfg, a.world),
+                                model_shape_from_config(None if a.model else cfg.model, args))
         print(f"resolved: {layout.describe()}")
         print(format_show(args, layout.dims))
         return 0
@@ -239,7 +241,7 @@ def main(argv: list[str]) -> int:
     unit_name, unit = table_unit(plan)
     print(f"{unit_name} per rank, {len(plan.ranked)} layouts, best first:")
     print(format_table(plan, a.top or 12))
-    print(_config_line(cfg, plan, args, a.world, batch, seq))
+    print(_config_line(cfg, plan, args, a.world, batch, seq, own_model=not a.model))
     best = plan.recommended
     if best.fits is False:
         smallest = min(plan.ranked, key=lambda e: e.total)

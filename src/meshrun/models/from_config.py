@@ -5,11 +5,15 @@ The CLI checks sizes (`meshrun.plan`'s memory estimate) before any worker or tor
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
 
 from meshrun.errors import ModelError
 from meshrun.models.args import ModelArgs
 from meshrun.models.sizes import DEFAULT_SIZE, size_spec
+
+if TYPE_CHECKING:
+    from meshrun.parallel.resolve import ModelShape
 
 ARG_FIELDS = (
     "vocab_size",
@@ -31,6 +35,19 @@ ARG_FIELDS = (
     "moe_aux_coef",
     "moe_bias_rate",
 )
+
+
+def model_shape_from_config(model_cfg: Any, args: ModelArgs) -> ModelShape:
+    """What the layout rules read of the config's model, `args` being its ModelArgs: a model.hf
+    mixture of experts routes in transformers' code, so its routed experts come from config.json."""
+    from meshrun.parallel.resolve import ModelShape
+
+    shape = ModelShape.from_args(args)
+    if getattr(model_cfg, "hf", ""):
+        from meshrun.models.hf_config import hf_routed_experts
+
+        shape = replace(shape, experts=hf_routed_experts(model_cfg.hf) or shape.experts)
+    return shape
 
 
 def model_args_from_config(model_cfg: Any, vocab_size: int | None = None) -> ModelArgs:

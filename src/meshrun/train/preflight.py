@@ -341,7 +341,7 @@ def check_factory_builds(cfg: JobConfig, vocab_size: int) -> None:
 def _check_layout(cfg: JobConfig, vocab_size: int, nproc_per_node: str, nnodes: str) -> None:
     """The whole layout (`resolve_layout`) for the world these launch options give, before any
     process group exists; with no fixed world, the rules that need none."""
-    from meshrun.parallel.resolve import ModelShape, ParallelOptions, check_options, resolve_layout
+    from meshrun.parallel.resolve import ParallelOptions, check_options, resolve_layout
 
     options = ParallelOptions.from_config(cfg)
     world = fixed_world_size(resolve_nproc_per_node(str(nproc_per_node)), str(nnodes))
@@ -350,15 +350,9 @@ def _check_layout(cfg: JobConfig, vocab_size: int, nproc_per_node: str, nnodes: 
         return
     model = None
     if not cfg.model.factory:  # the user's model: its shape is checked on the workers
-        from meshrun.models.from_config import model_args_from_config
+        from meshrun.models.from_config import model_args_from_config, model_shape_from_config
 
-        model = ModelShape.from_args(model_args_from_config(cfg.model, vocab_size))
-        if cfg.model.hf:  # a mixture of experts routes in transformers' code: its experts, from config.json
-            import dataclasses
-
-            from meshrun.models.hf_config import hf_routed_experts
-
-            model = dataclasses.replace(model, experts=hf_routed_experts(cfg.model.hf))
+        model = model_shape_from_config(cfg.model, model_args_from_config(cfg.model, vocab_size))
     layout = resolve_layout(options, world, model)
     if cfg.model.hf and (layout.dims.tp > 1 or layout.dims.pp > 1):
         # what the architecture's structure allows, from transformers' own build on meta

@@ -271,9 +271,9 @@ def simulate(cfg, world_size: int, *, vocab_size: int | None = None) -> Simulati
     """`cfg`'s model, layout and optimizer at `world_size` ranks: each representative rank built
     and stepped once (`simulate_rank`). Refusals are the launch's, one line each."""
     from meshrun.models.factory import build_model
-    from meshrun.models.from_config import model_args_from_config
+    from meshrun.models.from_config import model_args_from_config, model_shape_from_config
     from meshrun.models.meta import on_meta
-    from meshrun.parallel.resolve import ModelShape, ParallelOptions, resolve_layout
+    from meshrun.parallel.resolve import ParallelOptions, resolve_layout
     from meshrun.train.optimizers import build_optimizer
 
     started = time.perf_counter()
@@ -288,7 +288,8 @@ def simulate(cfg, world_size: int, *, vocab_size: int | None = None) -> Simulati
             vocab_size = model_args_from_config(cfg.model).vocab_size
             note = (f"data.tokenizer={cfg.data.tokenizer!r} is not readable here: the model's own vocabulary "
                     f"({vocab_size}) is simulated")
-    shape = ModelShape.from_args(model_args_from_config(cfg.model, vocab_size)) if not cfg.model.factory else None
+    shape = (model_shape_from_config(cfg.model, model_args_from_config(cfg.model, vocab_size))
+             if not cfg.model.factory else None)
     layout = resolve_layout(ParallelOptions.from_config(cfg), world_size, shape)
     if layout.dims.pp > 1:
         raise ConfigError(f"--simulate runs no pipeline stages yet ({layout.describe()}): torch's schedule reads a "
