@@ -125,12 +125,11 @@ def apply_ep(model: nn.Module, ep_mesh: DeviceMesh) -> list[ExpertParallel]:
         if hf_routed(module) and module.config._experts_implementation != HF_EP_IMPLEMENTATION:
             module._meshrun_local_experts = module.config._experts_implementation or "eager"
     for module in modules:
-        if hf_routed(module):
-            style = ExpertParallel()
+        style = ExpertParallel()
+        if hf_routed(module):  # its forward is transformers': the routing goes in through their interface
             ExpertParallel._partition("", module, ep_mesh)
             _route_hf_experts(module, ep_mesh)
         else:
-            style = ExpertParallel()
             parallelize_module(module, ep_mesh, style)
         module.ep_style = style
         styles.append(style)
