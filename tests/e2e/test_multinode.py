@@ -216,6 +216,10 @@ def _elastic_pair(tmp_path: Path, script: Path, nnodes: str, extra: list[str]):
 
 # Fast dead-node detection (torch: 5 s x 3 heartbeats) and a short last call (torch: 30 s).
 FAST_RDZV = "keep_alive_interval=1,keep_alive_max_attempt=3,last_call_timeout=2"
+# Enough steps that node A, training alone until node B's agent has started and joined, is still
+# training then on a loaded machine: with 150, A finished alone in 25 s at load 7 while B's
+# `meshrun train` had printed nothing yet (CI, 'an agent exited early with 0', twice).
+ELASTIC_STEPS = 400
 
 
 @pytest.mark.timeout(3 * NODE_TIMEOUT_S)
@@ -260,11 +264,11 @@ def test_elastic_minimum_not_met_ends_with_one_line(tmp_path, write_script):
     assert "--nnodes 1:2" in lines[0] and "Traceback" not in text.split("restarting")[-1], text
 
 
-@pytest.mark.timeout(3 * NODE_TIMEOUT_S)
+@pytest.mark.timeout(4 * NODE_TIMEOUT_S)  # the port, B's checkpoint, then A's finish (60 + 120 + 240 s at most)
 def test_meshrun_train_node_killed_the_other_resumes_from_the_checkpoint_alone(tmp_path):
     port = free_port()
     args = [str(EXAMPLES / "configs" / "tiny.toml"), "--set", "train.name=elastic", "--set", f"train.run_dir={tmp_path}",
-            "--set", "model.dim=32", "--set", "model.n_layers=2", "--set", "train.steps=150",
+            "--set", "model.dim=32", "--set", "model.n_layers=2", "--set", f"train.steps={ELASTIC_STEPS}",
             "--set", "train.eval_interval=0", "--set", "checkpoint.interval=5",
             *_two_node_args(f"127.0.0.1:{port}", "train-elastic", "1:2"), "--max-restarts", "2",
             "--rdzv-conf", FAST_RDZV]
@@ -280,14 +284,14 @@ def test_meshrun_train_node_killed_the_other_resumes_from_the_checkpoint_alone(t
         _wait_for(lambda: _latest_world_size(run_dir) == 2, NODE_TIMEOUT_S, procs)
         os.killpg(procs[1].pid, signal.SIGKILL)
         kill_tree(procs[1].pid)
-        code = _wait(procs[0], NODE_TIMEOUT_S, logs[0])
+        code = _wait(procs[0], 2 * NODE_TIMEOUT_S, logs[0])
     finally:
         for p in procs:
             kill_tree(p.pid)
     text = logs[0].read_text()
     assert code == 0, text
     assert re.search(r"meshrun: resumed from \S+step-\d+ \(step \d+, saved on 2 processes", text), text
-    assert "step 150/150" in text, text
+    assert f"step {ELASTIC_STEPS}/{ELASTIC_STEPS}" in text, text
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     metas = [row["world_size"] for row in rows if row.get("kind") == "meta" and "world_size" in row]
     assert 2 in metas and metas[-1] == 1, metas  # trained on both nodes, finished on the survivor
