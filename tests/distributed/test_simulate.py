@@ -1,15 +1,18 @@
 """`meshrun plan --simulate` is exact at small sizes: a simulated rank equals the real one.
 
-A 4-rank gloo launch per layout builds it through the trainer's path (`resolve_layout`,
-`build_layout`, meshrun's optimizer, one `layout_step`) and records, on every rank, the bytes of
-its local parameters, gradients and optimizer state and every collective of the step (kind, mesh
-dimension, count, bytes; `meshrun.plan.measure.Collectives`). Then this process simulates every
-rank of every layout (`meshrun.train.simulate.simulate_rank_isolated`: a fake process group and
-fake tensors, nothing computed, each rank in a child of the harness's forkserver, so a clean torch)
-and must find the same bytes and collectives exactly, and the step's peak memory with the
-optimizer state there (torch's MemTracker on the fake tensors and on the real ones) within 10%.
-Through the CLI: `meshrun plan --simulate` of tiny (an uneven 259-token vocabulary) under FSDP 4 x
-TP 2 on 8 ranks, its --json, and a pipeline layout refused in one line.
+A gloo launch of 2, 4 or 8 ranks per layout builds it through the trainer's path
+(`resolve_layout`, `build_layout`, meshrun's optimizer, one `layout_step`) and records, on every
+rank, the bytes of its local parameters, gradients and optimizer state, every collective of the
+step (kind, mesh dimension, count, bytes; `meshrun.plan.measure.Collectives`) and the step's peak
+memory with the optimizer state there (torch's MemTracker). Then this process simulates the
+layout's representative ranks, as `meshrun plan --simulate` does
+(`meshrun.train.simulate.simulate_rank_isolated`: a fake process group and fake tensors, nothing
+computed, each rank in a child of the harness's forkserver, so a clean torch), and must find the
+same bytes and collectives exactly and the same peak (within 10%, the bar; equal where it is
+measured equal). Every other real rank must hold and send what one of the representatives does:
+the report covers every rank. Through the CLI: `meshrun plan --simulate` of tiny (an uneven
+259-token vocabulary) under FSDP 4 x TP 2 on 8 ranks, its --json, and a pipeline layout refused
+in one line.
 """
 
 from __future__ import annotations
@@ -30,25 +33,25 @@ SEQ = 16
 ARGS = ModelArgs(vocab_size=64, dim=32, n_layers=4, n_heads=4, n_kv_heads=2, max_seq_len=SEQ)
 OPTIM = SimpleNamespace(name="adamw", lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1,
                         implementation="auto")
-LAYOUTS = {  # name -> ParallelOptions keywords (batch_size: per data-parallel rank)
-    "ddp4": dict(strategy="ddp"),
-    "fsdp4": dict(strategy="fsdp", dp_shard=4),
-    "hsdp2x2": dict(strategy="fsdp", dp_replicate=2, dp_shard=2),
-    "fsdp2_tp2": dict(strategy="fsdp", dp_shard=2, tp=2),
-    "tp2_dp2_sp": dict(strategy="fsdp", dp_replicate=2, dp_shard=1, tp=2, sequence_parallel=True),
-    "cp2_fsdp2": dict(strategy="fsdp", dp_shard=2, cp=2),
-    "fsdp4_ac_grad_accum2": dict(strategy="fsdp", dp_shard=4, activation_checkpointing=True, grad_accum=2),
+LAYOUTS = {  # name -> (world, ParallelOptions keywords); batch_size: per data-parallel rank
+    "fsdp2": (2, dict(strategy="fsdp", dp_shard=2)),
+    "ddp4": (4, dict(strategy="ddp")),
+    "fsdp4": (4, dict(strategy="fsdp", dp_shard=4)),
+    "hsdp2x2": (4, dict(strategy="fsdp", dp_replicate=2, dp_shard=2)),
+    "fsdp2_tp2": (4, dict(strategy="fsdp", dp_shard=2, tp=2)),
+    "fsdp2_tp2_bf16": (4, dict(strategy="fsdp", dp_shard=2, tp=2, dtype="bf16")),
+    "tp2_dp2_sp": (4, dict(strategy="fsdp", dp_replicate=2, dp_shard=1, tp=2, sequence_parallel=True)),
+    "cp2_fsdp2": (4, dict(strategy="fsdp", dp_shard=2, cp=2)),
+    "fsdp4_ac_grad_accum2": (4, dict(strategy="fsdp", dp_shard=4, activation_checkpointing=True, grad_accum=2)),
+    "hsdp2x2_tp2_sp": (8, dict(strategy="fsdp", dp_replicate=2, dp_shard=2, tp=2, sequence_parallel=True)),
 }
 
 
-PEAK_TOL = 0.10  # the simulated peak within 10% of the real one
-# Measured: ddp4 -2.1%, fsdp2_tp2 +3.6%, the others exact, but TP 2 with replicas (dp_replicate 2, the
-# data-parallel all-reduce beside TP's DTensors): +12.9% with sequence parallel (+7.9% without). The
-# simulated rank holds every gradient and the activations together at its peak, where the real one
-# has freed activations as backward went: something under fake tensors keeps them alive longer (not
-# found yet). The bar is 10%: this layout misses it, and the test says so rather than hiding it.
-PEAK_TOL_KNOWN_MISS = {"tp2_dp2_sp": 0.15}
-PEAKS: dict = {}  # (layout, rank) -> (simulated, real) peak by category; printed with -s
+PEAK_TOL = 0.10  # the bar: the simulated peak within 10% of the real one
+# Measured equal for all but these: DDP's (the simulation's all-reduce hook stands in for DDP's own:
+# -2.1%) and bf16's (FSDP's casts: -1.7%). Asserted equal where they are, so a change that moves
+# the simulation away from the real step shows at once.
+PEAK_INEXACT = {"ddp4", "fsdp2_tp2_bf16"}
 
 
 def _model() -> Transformer:
@@ -57,8 +60,8 @@ def _model() -> Transformer:
 
 
 def _layout(name: str):
-    return resolve_layout(ParallelOptions(**LAYOUTS[name], batch_size=2, seq_len=SEQ), WORLD,
-                          ModelShape.from_args(ARGS))
+    world, options = LAYOUTS[name]
+    return resolve_layout(ParallelOptions(**options, batch_size=2, seq_len=SEQ), world, ModelShape.from_args(ARGS))
 
 
 def _optimizer(part):
@@ -81,45 +84,50 @@ def _real_rank(name: str):
     batches = iter(lambda: (tokens, tokens), None)
     prime_optimizer_state(optimizers)
     with PeakMemory(built.parts, optimizers) as memory, Collectives() as comms:
-        layout_step(built, optimizers, batches, grad_accum=layout.options.grad_accum, dtype="fp32", grad_clip=1.0)
+        layout_step(built, optimizers, batches, grad_accum=layout.options.grad_accum, dtype=layout.options.dtype,
+                    grad_clip=1.0)
     return rank_usage(built, optimizers, comms, peak=memory.peak)
 
 
-@pytest.fixture(scope="module")
-def real() -> dict[str, list]:
-    """Each layout in a launch of its own: a process that built other layouts before may skip a
-    collective a fresh one issues (measured: TP's first output all-gather), and a simulated rank
-    is a fresh world."""
-    return {name: run_distributed(_real_rank, world_size=WORLD, args=(name,), timeout=120,
-                                  env={"OMP_NUM_THREADS": "1"}) for name in LAYOUTS}
+def _usage(rank) -> tuple:  # noqa: ANN001 - a RankSimulation
+    return rank.params, rank.grads, rank.optim, rank.collectives, rank.peak
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
-def test_every_simulated_rank_holds_and_sends_what_the_real_rank_does(real, name):
+def test_every_simulated_rank_holds_and_sends_what_the_real_rank_does(name):
     from meshrun.testing.harness import _context
-    from meshrun.train.simulate import simulate_rank_isolated
+    from meshrun.train.simulate import representative_ranks, simulate_rank_isolated
 
     layout = _layout(name)
-    for rank in range(WORLD):
+    # a launch of its own: a process that built other layouts before may skip a collective a fresh
+    # one issues (measured: TP's first output all-gather), and a simulated rank is a fresh world
+    real = run_distributed(_real_rank, world_size=layout.world_size, args=(name,), timeout=180,
+                           env={"OMP_NUM_THREADS": "1"})
+    chosen = representative_ranks(layout)
+    peaks = {}
+    for rank in chosen:
         # a child of the harness's forkserver: a clean torch, as a rank of a real launch has
         sim = simulate_rank_isolated(_model, layout, rank, build_optimizer=_optimizer, seq_len=SEQ,
-                                     grad_accum=layout.options.grad_accum, context=_context())
-        got = real[name][rank]
+                                     dtype=layout.options.dtype, grad_accum=layout.options.grad_accum,
+                                     context=_context())
+        got = real[rank]
         assert (sim.params, sim.grads, sim.optim) == (got.params, got.grads, got.optim), (name, rank, sim, got)
         assert sim.coords == got.coords, (name, rank)
         assert sim.collectives == got.collectives, (name, rank, sim.collectives, got.collectives)
-        assert got.collectives, (name, rank, "a step of 4 ranks communicates")
+        assert got.collectives, (name, rank, "a step of several ranks communicates")
         # the step's peak, measured alike (MemTracker) on the real tensors and the fake ones
         assert got.peak["total"] > got.state, (name, rank, got.peak)
-        PEAKS[name, rank] = (sim.peak, got.peak)
-    for rank in range(WORLD):
-        simulated, measured = PEAKS[name, rank]
-        print(f"\n{name} rank {rank}: peak simulated {simulated['total']}, real {measured['total']} "
-              f"({simulated['total'] / measured['total'] - 1:+.1%})\n  sim  {simulated}\n  real {measured}")
-    for rank in range(WORLD):
-        simulated, measured = PEAKS[name, rank]
-        tol = PEAK_TOL_KNOWN_MISS.get(name, PEAK_TOL)
-        assert abs(simulated["total"] - measured["total"]) <= tol * measured["total"], (name, rank, simulated, measured)
+        peaks[rank] = (sim.peak, got.peak)
+        print(f"\n{name} rank {rank}: peak simulated {sim.peak['total']}, real {got.peak['total']} "
+              f"({sim.peak['total'] / got.peak['total'] - 1:+.1%})\n  sim  {sim.peak}\n  real {got.peak}")
+    for rank, (simulated, measured) in peaks.items():
+        if name in PEAK_INEXACT:
+            assert abs(simulated["total"] - measured["total"]) <= PEAK_TOL * measured["total"], (name, rank)
+        else:
+            assert simulated["total"] == measured["total"], (name, rank, simulated, measured)
+    others = [rank for rank in range(layout.world_size) if rank not in chosen]
+    for rank in others:  # what the report leaves out is what it shows
+        assert any(_usage(real[rank]) == _usage(real[rep]) for rep in chosen), (name, rank, real[rank])
 
 
 def test_representative_ranks_cover_each_stage_and_the_last_shard():
