@@ -26,11 +26,12 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE
 LENGTH_MARGIN = 1.15  # --minutes is a floor: a 15 s calibration misjudged long runs' rate by up to 10% here
 
 
-def run_bounded(cmd: list[str], timeout: float, what: str) -> tuple[int, str]:
+def run_bounded(cmd: list[str], timeout: float, what: str, env: dict[str, str] | None = None) -> tuple[int, str]:
     """(exit code, stdout and stderr together) of `cmd`, run in a session of its own; past `timeout`
     its whole process group (a launcher and its workers) is SIGKILLed and the benchmark stops with
     one line naming `what`."""
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                            env=env)
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:

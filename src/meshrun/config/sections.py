@@ -141,7 +141,8 @@ class TrainSection(Section):
     section = "train"
     steps: int = doc_field(300, "Optimizer steps to run.")
     batch_size: int = doc_field(16, "Samples per micro-batch on each data-parallel rank; global batch = this x grad_accum x ranks.")
-    grad_accum: int = doc_field(1, "Micro-batches per optimizer step. DDP all-reduces on the last one only; FSDP reduce-scatters each (gradients stay sharded), HSDP all-reduces across replicas on the last only.")
+    grad_accum: int = doc_field(1, "Micro-batches per optimizer step; DDP all-reduces gradients on the last one only (FSDP: sync_each_micro_batch).")
+    sync_each_micro_batch: bool = doc_field(True, "Under FSDP/HSDP with grad_accum > 1: reduce-scatter every micro-batch's gradients, which stay sharded (least memory; HSDP all-reduces across replicas on the last only); false = only on the last (fewer collectives, but every rank holds the whole model's unsharded fp32 gradients until then).")
     dtype: str = doc_field("fp32", "'fp32', 'bf16' (bf16 autocast; FSDP computes in bf16), or 'fp16' (the same with a gradient scaler); weights and optimizer state stay fp32.")
     loss_scale: float = doc_field(65536.0, "fp16 only: the gradient scaler's initial loss scale (halved on each overflow, which skips that step; doubled after 2000 clean steps).")
     seed: int = doc_field(1337, "Seed for the initial weights and the data order; the same seed gives the same run.")

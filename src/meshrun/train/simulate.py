@@ -118,6 +118,7 @@ def _mesh_dims(layout) -> dict[str, str]:
 
 def simulate_rank(build_model: Callable[[], nn.Module], layout: ResolvedLayout, rank: int, *,
                   build_optimizer: Callable[[nn.Module], torch.optim.Optimizer], seq_len: int, dtype: str = "fp32", grad_clip: float = 1.0, grad_accum: int = 1,
+                  sync_each_micro_batch: bool = True,
                   device_type: str = "cpu") -> RankSimulation:
     """Build `layout` as rank `rank` of its world under a fake process group and fake tensors,
     and run one training step; the process group is gone again when this returns.
@@ -158,7 +159,8 @@ def simulate_rank(build_model: Callable[[], nn.Module], layout: ResolvedLayout, 
 
             prime_optimizer_state(optimizers)  # the step below holds the optimizer state, as every step but the first
             with PeakMemory(built.parts, optimizers) as memory, Collectives() as comms:
-                layout_step(built, optimizers, batches(), grad_accum=grad_accum, dtype=dtype, grad_clip=grad_clip)
+                layout_step(built, optimizers, batches(), grad_accum=grad_accum, dtype=dtype, grad_clip=grad_clip,
+                            sync_each_micro_batch=sync_each_micro_batch)
         return rank_usage(built, optimizers, comms, groups, peak=memory.peak)
     finally:
         dist.destroy_process_group()
@@ -306,6 +308,7 @@ def simulate(cfg, world_size: int, *, vocab_size: int | None = None) -> Simulati
 
     ranks = [simulate_rank_isolated(model, layout, rank, build_optimizer=lambda part: build_optimizer(part, cfg.optim),
                            seq_len=cfg.data.seq_len, dtype=cfg.train.dtype,
-                           grad_clip=cfg.train.grad_clip, grad_accum=layout.options.grad_accum)
+                           grad_clip=cfg.train.grad_clip, grad_accum=layout.options.grad_accum,
+                           sync_each_micro_batch=cfg.train.sync_each_micro_batch)
              for rank in representative_ranks(layout)]
     return Simulation(layout, ranks, time.perf_counter() - started, note)

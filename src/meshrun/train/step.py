@@ -5,9 +5,11 @@ last micro-batch makes accumulation cost one all-reduce per optimizer step. FSDP
 every micro-batch's gradients and accumulates the sharded ones, as torchtitan does: skipping the
 reduce-scatter (`set_requires_gradient_sync(False)`) would hold the whole model's unsharded fp32
 gradients until the last micro-batch (measured with `meshrun plan --simulate` on Llama 3 8B, FSDP 8,
-4 micro-batches: 30 GiB more per rank, a 57 GiB peak instead of 27). HSDP leaves only the
+4 micro-batches: a 57.2 GiB peak per rank instead of 31.0). HSDP leaves only the
 all-reduce across replicas to the last micro-batch (`set_requires_all_reduce`), which costs no
-memory. Under context
+memory. `train.sync_each_micro_batch = false` (`sync_each_micro_batch`) skips the reduce-scatter
+instead, for fewer collectives (measured: tiny on 2 CPU processes with 4 micro-batches steps 1.21x
+slower reducing each; `benchmarks/grad_accum.py`). Under context
 parallel each micro-batch's forward and backward run inside `ContextParallel.step`, on this
 rank's share of the sequence: its loss is the mean over its tokens, and every cp rank holds as
 many, so FSDP's average over dp_shard x cp is the mean over every token. Under pipeline
@@ -149,6 +151,7 @@ def train_step(
     scaler: LossScaler | None = None,
     context_parallel: ContextParallel | None = None,
     token_scale: float | None = None,
+    sync_each_micro_batch: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, float]:
     """Run `grad_accum` micro-batches and one optimizer step.
 
@@ -172,7 +175,10 @@ def train_step(
         inputs, targets, packed = batch_on(next(batches), device)
         last = micro == grad_accum - 1
         if hasattr(model, "set_requires_all_reduce"):  # FSDP2: see the module's docstring
-            model.set_requires_all_reduce(last)
+            if sync_each_micro_batch:
+                model.set_requires_all_reduce(last)
+            else:
+                model.set_requires_gradient_sync(last)
         sync = contextlib.nullcontext() if last or not hasattr(model, "no_sync") else model.no_sync()
         with sync, sequence_context(context_parallel, inputs, targets) as (inputs, targets, positions):
             started = time.perf_counter()
@@ -313,7 +319,8 @@ Batches = Iterator[tuple[torch.Tensor, ...]]  # (inputs, targets), or (inputs, t
 
 def layout_step(layout: BuiltLayout, optimizers: list[torch.optim.Optimizer], batches: Batches, *,
                 grad_accum: int, dtype: str, grad_clip: float, need_grad_norm: bool = True,
-                scaler=None, masked: bool = False) -> tuple[torch.Tensor, torch.Tensor, float]:
+                scaler=None, masked: bool = False,
+                sync_each_micro_batch: bool = True) -> tuple[torch.Tensor, torch.Tensor, float]:
     """One optimizer step of a built layout over `grad_accum` micro-batches: (this rank's loss,
     grad norm, seconds), whatever the parallelism.
 
@@ -336,7 +343,7 @@ def layout_step(layout: BuiltLayout, optimizers: list[torch.optim.Optimizer], ba
         return train_step_pp(layout.pipeline, optimizers, batches, pp_group=layout.pp_group,
                              context_parallel=layout.context_parallel, token_scale=token_scale, **common)
     return train_step(layout.parts[0], optimizers[0], batches, loss_parallel=layout.loss_parallel,
-                      scaler=scaler, context_parallel=layout.context_parallel, token_scale=token_scale, **common)
+                      sync_each_micro_batch=sync_each_micro_batch, scaler=scaler, context_parallel=layout.context_parallel, token_scale=token_scale, **common)
 
 
 def layout_evaluate(layout: BuiltLayout, batches, *, steps: int, dtype: str, masked: bool = False) -> float:

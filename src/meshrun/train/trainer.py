@@ -174,7 +174,7 @@ def _loop(run: _Run, cfg: JobConfig, env: DistEnv, run_dir: Path, profiler: Step
         with phase("compile") if compiling else nullcontext():
             loss, grad_norm, compute_s = layout_step(
                 layout, state.optimizers, batches, grad_accum=tcfg.grad_accum, dtype=tcfg.dtype,
-                grad_clip=tcfg.grad_clip, need_grad_norm=log_now, scaler=state.scaler,
+                sync_each_micro_batch=tcfg.sync_each_micro_batch, grad_clip=tcfg.grad_clip, need_grad_norm=log_now, scaler=state.scaler,
                 masked=getattr(state.train_loader, "masked", False))
         moe_figures = run.moe.after_step(log_now, layout.device) if run.moe is not None else None
         compiled_steps += 1
