@@ -9,7 +9,8 @@ layout's representative ranks, as `meshrun plan --simulate` does
 (`meshrun.train.simulate.simulate_rank_isolated`: a fake process group and fake tensors, nothing
 computed, each rank in a child of the harness's forkserver, so a clean torch), and must find the
 same bytes and collectives exactly and the same peak (within 10%, the bar; equal where it is
-measured equal). Every other real rank must hold and send what one of the representatives does:
+measured equal). With 4 and 5 micro-batches the simulation runs 3 and counts the middle one's
+collectives again for the rest. Every other real rank must hold and send what one of the representatives does:
 the report covers every rank. Through the CLI: `meshrun plan --simulate` of tiny (an uneven
 259-token vocabulary) under FSDP 4 x TP 2 on 8 ranks, its --json, and a pipeline layout refused
 in one line.
@@ -37,12 +38,12 @@ LAYOUTS = {  # name -> (world, ParallelOptions keywords); batch_size: per data-p
     "fsdp2": (2, dict(strategy="fsdp", dp_shard=2)),
     "ddp4": (4, dict(strategy="ddp")),
     "fsdp4": (4, dict(strategy="fsdp", dp_shard=4)),
-    "hsdp2x2": (4, dict(strategy="fsdp", dp_replicate=2, dp_shard=2)),
+    "hsdp2x2_grad_accum4": (4, dict(strategy="fsdp", dp_replicate=2, dp_shard=2, grad_accum=4)),
     "fsdp2_tp2": (4, dict(strategy="fsdp", dp_shard=2, tp=2)),
     "fsdp2_tp2_bf16": (4, dict(strategy="fsdp", dp_shard=2, tp=2, dtype="bf16")),
     "tp2_dp2_sp": (4, dict(strategy="fsdp", dp_replicate=2, dp_shard=1, tp=2, sequence_parallel=True)),
     "cp2_fsdp2": (4, dict(strategy="fsdp", dp_shard=2, cp=2)),
-    "fsdp4_ac_grad_accum2": (4, dict(strategy="fsdp", dp_shard=4, activation_checkpointing=True, grad_accum=2)),
+    "fsdp4_ac_grad_accum5": (4, dict(strategy="fsdp", dp_shard=4, activation_checkpointing=True, grad_accum=5)),
     "hsdp2x2_tp2_sp": (8, dict(strategy="fsdp", dp_replicate=2, dp_shard=2, tp=2, sequence_parallel=True)),
 }
 
@@ -137,7 +138,7 @@ def test_representative_ranks_cover_each_stage_and_the_last_shard():
     pp2 = resolve_layout(ParallelOptions(strategy="fsdp", dp_shard=2, pp=2, batch_size=2, seq_len=SEQ), WORLD,
                          ModelShape.from_args(ARGS))
     assert representative_ranks(pp2) == [0, 1, 2, 3]
-    assert representative_ranks(_layout("hsdp2x2")) == [0, 1]
+    assert representative_ranks(_layout("hsdp2x2_grad_accum4")) == [0, 1]
     assert representative_ranks(_layout("ddp4")) == [0]
 
 

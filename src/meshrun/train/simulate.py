@@ -126,6 +126,11 @@ def simulate_rank(build_model: Callable[[], nn.Module], layout: ResolvedLayout, 
     `build_model()` returns the model on the meta device (as the trainer builds it);
     `build_optimizer(part)` the run's optimizer of one built part. Every rank reads
     `layout.options.batch_size` sequences of `seq_len` tokens per micro-batch.
+
+    Of `grad_accum` micro-batches, three run: the first, one like every middle one and the last
+    (the last syncs what the others leave, the first finds no gradients yet). The middle ones hold
+    the same memory and issue the same collectives, so the skipped ones' are the middle one's,
+    counted again (`MIDDLE_MICRO_BATCHES`).
     """
     import torch.distributed as dist
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -158,12 +163,45 @@ def simulate_rank(build_model: Callable[[], nn.Module], layout: ResolvedLayout, 
                     yield tokens, tokens
 
             prime_optimizer_state(optimizers)  # the step below holds the optimizer state, as every step but the first
+            run = min(grad_accum, MIDDLE_MICRO_BATCHES + 2)
             with PeakMemory(built.parts, optimizers) as memory, Collectives() as comms:
-                layout_step(built, optimizers, batches(), grad_accum=grad_accum, dtype=dtype, grad_clip=grad_clip,
+                marked = _MicroBatchMarks(batches(), comms)
+                layout_step(built, optimizers, marked, grad_accum=run, dtype=dtype, grad_clip=grad_clip,
                             sync_each_micro_batch=sync_each_micro_batch)
+            marked.count_skipped(grad_accum - run)
         return rank_usage(built, optimizers, comms, groups, peak=memory.peak)
     finally:
         dist.destroy_process_group()
+
+
+MIDDLE_MICRO_BATCHES = 1
+"""Micro-batches between the first and the last that a simulated step runs; the rest repeat them."""
+
+
+class _MicroBatchMarks:
+    """The step's micro-batches, with the collectives recorded so far when each is asked for: the
+    second's start to the third's is one middle micro-batch's, which `count_skipped` adds again."""
+
+    def __init__(self, batches: Iterator, comms) -> None:  # noqa: ANN001 - a meshrun.plan.measure.Collectives
+        self.batches, self.comms, self.marks = batches, comms, []
+
+    def __iter__(self) -> _MicroBatchMarks:
+        return self
+
+    def __next__(self):  # noqa: ANN204
+        self.marks.append(({key: list(value) for key, value in self.comms.records.items()}, self.comms.received))
+        return next(self.batches)
+
+    def count_skipped(self, skipped: int) -> None:
+        if skipped <= 0:
+            return
+        (before, received_before), (after, received_after) = self.marks[1], self.marks[2]
+        for key, (count, nbytes) in after.items():
+            was = before.get(key, [0, 0])
+            entry = self.comms.records[key]
+            entry[0] += skipped * (count - was[0])
+            entry[1] += skipped * (nbytes - was[1])
+        self.comms.received += skipped * (received_after - received_before)
 
 
 def _all_reduce_hook(group, bucket):  # noqa: ANN202 - DDP refuses a string annotation (this module's are)
@@ -234,31 +272,79 @@ def simulate_rank_isolated(*args, timeout: float = RANK_TIMEOUT_S, context=None,
     passes a forkserver's, whose children start from the server's clean imports, and then the
     arguments must pickle. A MeshrunError in the child is raised here as itself; anything else as
     one MeshrunError line naming the rank."""
-    import multiprocessing
-
-    from meshrun.errors import MeshrunError
-
-    context = context or multiprocessing.get_context("fork")
-    reader, writer = context.Pipe(duplex=False)
-    process = context.Process(target=_simulate_child, args=(writer, args, kwargs), daemon=True)
-    process.start()
-    writer.close()
+    child = _Child(args, kwargs, context)
     try:
-        if not reader.poll(timeout):
-            raise MeshrunError(f"--simulate: rank {args[2]} took over {timeout:.0f} s; stopped")
-        kind, value = reader.recv()
-    except EOFError:
-        kind, value = "error", f"the process simulating it exited with code {process.exitcode}"
+        return child.result(timeout)
     finally:
-        if process.is_alive():
-            process.kill()  # by its pid
-        process.join(10)
-    if kind == "ok":
-        return value
-    if kind == "meshrun":
-        raise value
-    raise MeshrunError(f"--simulate: rank {args[2]} could not be built and stepped under fake tensors ({value}); "
-                       "a limit of the simulation, not necessarily of the layout: run it for real to check")
+        child.stop()
+
+
+def simulate_ranks_isolated(build_model: Callable[[], nn.Module], layout: ResolvedLayout, ranks: list[int], *,
+                            jobs: int | None = None, timeout: float = RANK_TIMEOUT_S, context=None,
+                            **kwargs) -> list[RankSimulation]:
+    """`simulate_rank_isolated` for each of `ranks`, up to `jobs` children at once (default: the
+    CPUs this process may use; a simulated rank is one busy core of Python). `timeout` is each
+    rank's, from its start. The first failure stops the others (by pid) and is raised."""
+    import os
+
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    jobs = max(1, jobs or cpus or 1)
+    waiting, running, done = list(ranks), [], {}
+    try:
+        while waiting or running:
+            while waiting and len(running) < jobs:
+                rank = waiting.pop(0)
+                running.append((rank, _Child((build_model, layout, rank), kwargs, context)))
+            rank, child = running.pop(0)
+            try:
+                done[rank] = child.result(timeout - child.elapsed())
+            finally:
+                child.stop()
+    finally:
+        for _, child in running:
+            child.stop()
+    return [done[rank] for rank in ranks]
+
+
+class _Child:
+    """One simulated rank's process, started at construction; `result` waits for what it sends."""
+
+    def __init__(self, args: tuple, kwargs: dict, context) -> None:  # noqa: ANN001 - a multiprocessing context
+        import multiprocessing
+
+        context = context or multiprocessing.get_context("fork")
+        self.rank = args[2]
+        self.started = time.monotonic()
+        self.reader, writer = context.Pipe(duplex=False)
+        self.process = context.Process(target=_simulate_child, args=(writer, args, kwargs), daemon=True)
+        self.process.start()
+        writer.close()
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self.started
+
+    def result(self, timeout: float) -> RankSimulation:
+        from meshrun.errors import MeshrunError
+
+        try:
+            if not self.reader.poll(max(timeout, 0.0)):
+                raise MeshrunError(f"--simulate: rank {self.rank} took over {self.elapsed():.0f} s; stopped")
+            kind, value = self.reader.recv()
+        except EOFError:
+            self.process.join(10)
+            kind, value = "error", f"the process simulating it exited with code {self.process.exitcode}"
+        if kind == "ok":
+            return value
+        if kind == "meshrun":
+            raise value
+        raise MeshrunError(f"--simulate: rank {self.rank} could not be built and stepped under fake tensors ({value}); "
+                           "a limit of the simulation, not necessarily of the layout: run it for real to check")
+
+    def stop(self) -> None:
+        if self.process.is_alive():
+            self.process.kill()  # by its pid
+        self.process.join(10)
+        self.reader.close()
 
 
 @dataclass(frozen=True)
@@ -306,9 +392,9 @@ def simulate(cfg, world_size: int, *, vocab_size: int | None = None) -> Simulati
     # (1.5-3 s here): imported once before the forks, every rank starts with it.
     import torch._dynamo  # noqa: F401
 
-    ranks = [simulate_rank_isolated(model, layout, rank, build_optimizer=lambda part: build_optimizer(part, cfg.optim),
-                           seq_len=cfg.data.seq_len, dtype=cfg.train.dtype,
-                           grad_clip=cfg.train.grad_clip, grad_accum=layout.options.grad_accum,
-                           sync_each_micro_batch=cfg.train.sync_each_micro_batch)
-             for rank in representative_ranks(layout)]
+    ranks = simulate_ranks_isolated(model, layout, representative_ranks(layout),
+                                    build_optimizer=lambda part: build_optimizer(part, cfg.optim),
+                                    seq_len=cfg.data.seq_len, dtype=cfg.train.dtype, grad_clip=cfg.train.grad_clip,
+                                    grad_accum=layout.options.grad_accum,
+                                    sync_each_micro_batch=cfg.train.sync_each_micro_batch)
     return Simulation(layout, ranks, time.perf_counter() - started, note)
