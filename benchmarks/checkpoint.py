@@ -77,8 +77,8 @@ def _save_figures(model_name: str | None, dim: int, n_layers: int, repeats: int,
     async_group = dist.new_group(backend="gloo")
     from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-    # reused across saves, as meshrun's Checkpointer keeps them: staging in the call (the old way,
-    # torchft mode) and staging in the background (exact mode)
+    # reused across saves, as meshrun's Checkpointer keeps its own: staging in the call (what the
+    # Checkpointer does, in every mode) and DCP's staging in the background (compared, not used)
     stager = DefaultStager(StagingOptions(False, False, False, False))
     overlapped = DefaultStager(StagingOptions(False, False, True, False))
     tokens = torch.randint(0, 259, (2, 16))
