@@ -22,9 +22,10 @@ def _dims(**degrees) -> ParallelDims:
 
 
 class _Layout:
-    def __init__(self, **degrees):
+    def __init__(self, pipeline=None, **degrees):  # noqa: ANN001 - a ResolvedPipeline
         self.dims = _dims(**degrees)
         self.options = _Options()
+        self.pipeline = pipeline
 
 
 def _sim(layout, *uses: CollectiveUse) -> Simulation:
@@ -59,6 +60,26 @@ def test_compute_bound_fsdp_step_by_hand():
     assert p.exposed_s == pytest.approx(max(0.0, 7 * 2**30 / 450e9 - compute))  # FSDP's traffic overlaps
     assert p.tokens_per_s_per_gpu == pytest.approx(2 * 1024 / p.step_s)
     assert p.mfu == pytest.approx(10**9 * p.tokens_per_s_per_gpu / 989e12)
+
+
+def test_a_pipeline_adds_its_bubble_to_the_compute_and_its_sends_to_the_step():
+    from meshrun.parallel.rules_pp import resolve_pipeline
+
+    def pipeline(schedule: str, per_rank: int):
+        return resolve_pipeline(pp=4, schedule=schedule, stages_per_rank=per_rank, split_points="", n_layers=16,
+                                batch_size=8, microbatches=8)
+
+    flat = project(_sim(_Layout(pp=4)), flops_per_token=10**9, seq_len=1024, nproc_per_node=8)  # no schedule: no bubble
+    uses = (CollectiveUse("send", "pp", 16, 2**20), CollectiveUse("recv", "pp", 16, 2**20))
+    for schedule, per_rank, bubble in (("1f1b", 1, 3 / 8), ("interleaved_1f1b", 2, 3 / 16)):
+        layout = _Layout(pp=4, pipeline=pipeline(schedule, per_rank))
+        p = project(_sim(layout, *uses), flops_per_token=10**9, seq_len=1024, nproc_per_node=8)
+        assert p.bubble == pytest.approx(bubble)
+        assert p.compute_s == pytest.approx(flat.compute_s * (1 + bubble))
+        assert p.comm_s["pp"] == pytest.approx(2 * 2**20 / 450e9)  # the sends' and the receives' bytes, once each
+        assert p.step_s == pytest.approx(p.compute_s + p.comm_s["pp"])  # not overlapped
+        assert f"(with the pipeline bubble, +{bubble:.0%})" in p.describe()
+    assert flat.bubble == 0 and "bubble" not in flat.describe()
 
 
 def test_tp_traffic_adds_and_inter_node_groups_use_the_network():

@@ -33,10 +33,12 @@ keys and values of the other cp ranks and their gradients (communication, not me
 --simulate: the real build and one step per representative rank (each pipeline stage's first
 rank and its rank with the last shard); bytes are the local shards', peak is the most tensor
 bytes held in a step with the optimizer state there (torch's MemTracker), collectives are per
-mesh dimension (count and this rank's input bytes per step). Pipeline layouts are not simulated
-yet. With --device: the projected step time, tokens/s per GPU and MFU (meshrun.plan.project:
-compute at --compute-efficiency of the dense peak, data-parallel traffic overlapped, TP and
-context-parallel traffic added); a rank whose weights, gradients and optimizer state are over
+mesh dimension (count and this rank's input bytes per step; a pipeline's sends and receives
+too, in a step after the first, which infers the stages' shapes; zero-bubble schedules show no
+peak: torch's MemTracker cannot follow them). With --device: the projected step time, tokens/s
+per GPU and MFU (meshrun.plan.project: compute at --compute-efficiency of the dense peak plus a
+pipeline's bubble, data-parallel traffic overlapped, TP, context-parallel and pipeline traffic
+added); a rank whose weights, gradients and optimizer state are over
 the device's memory is refused, and one whose simulated peak is over it is warned about.
 
 examples:
@@ -303,6 +305,7 @@ def _simulate(cfg, a) -> int:
                 "device": projection.device.name, "compute_efficiency": projection.efficiency,
                 "inter_node_gbps": projection.inter_node_gbps, "compute_s": projection.compute_s,
                 "comm_s": projection.comm_s, "exposed_s": projection.exposed_s, "step_s": projection.step_s,
+                "pipeline_bubble": projection.bubble,
                 "tokens_per_s_per_gpu": projection.tokens_per_s_per_gpu, "mfu": projection.mfu}}, indent=1))
         _check_memory(sim, limit)
         return 0
@@ -314,7 +317,8 @@ def _simulate(cfg, a) -> int:
     cols = ("rank", "coords", "params", "grads", "optim", "state", "peak", "peak activ")
     rows = [(str(r.rank), " ".join(f"{k}={v}" for k, v in r.coords.items() if sim.layout.dims.degrees.get(k, 1) > 1)
              or "-", _fmt(r.params, unit), _fmt(r.grads, unit), _fmt(r.optim, unit), _fmt(r.state, unit),
-             _fmt(r.peak.get("total", 0), unit), _fmt(r.peak.get("act", 0) + r.peak.get("temp", 0), unit))
+             _fmt(r.peak["total"], unit) if r.peak else "-",
+             _fmt(r.peak["act"] + r.peak["temp"], unit) if r.peak else "-")
             for r in sim.ranks]
     widths = [max(len(row[i]) for row in [cols, *rows]) for i in range(len(cols))]
     print(f"{unit_name} per rank:")
@@ -359,7 +363,7 @@ def _compare(cfg, a, world: int, per_node: int, dev) -> int:
             skipped.append(f"{est.layout}: {' '.join(str(exc).split())}")
             continue
         state = max(r.state for r in sim.ranks)
-        peak = max(r.peak.get("total", 0) for r in sim.ranks)
+        peak = max((r.peak["total"] for r in sim.ranks if r.peak), default=None)  # None: not measured (zero bubble)
         projection = _project(candidate, a, sim, per_node) if dev else None
         fits = None if limit is None else state <= limit
         rows.append((est, sim, state, peak, projection, fits))
@@ -367,8 +371,8 @@ def _compare(cfg, a, world: int, per_node: int, dev) -> int:
         raise ConfigError(f"--compare: none of the {len(skipped)} best layouts could be simulated: {skipped[0]}")
     # fits first; then the most tokens per second per GPU (a layout with less data parallelism has a
     # smaller global batch, so its shorter step is not faster training); else the least peak memory
-    rows.sort(key=lambda r: (r[5] is False, -r[4].tokens_per_s_per_gpu if r[4] else 0.0, r[3]))
-    unit_name, unit = ("GiB", GIB) if max(r[3] for r in rows) >= GIB else ("MiB", MIB)
+    rows.sort(key=lambda r: (r[5] is False, -r[4].tokens_per_s_per_gpu if r[4] else 0.0, r[3] or r[2]))
+    unit_name, unit = ("GiB", GIB) if max(r[3] or r[2] for r in rows) >= GIB else ("MiB", MIB)
     print(f"compared {len(rows)} layouts of {world} ranks, each simulated (one training step per representative "
           f"rank); {unit_name} per rank, best first:")
     cols = ("#", "layout", "state", "peak", *(("step", "tokens/s/GPU", "MFU") if dev else ()), "fits")
@@ -377,7 +381,7 @@ def _compare(cfg, a, world: int, per_node: int, dev) -> int:
         fit = "-" if fits is None else "yes" if fits else "no"
         projected = (seconds_text(projection.step_s), f"{projection.tokens_per_s_per_gpu:,.0f}",
                      f"{projection.mfu:.1%}") if projection else ()
-        table.append((str(i), est.layout, _fmt(state, unit), _fmt(peak, unit), *projected, fit))
+        table.append((str(i), est.layout, _fmt(state, unit), "-" if peak is None else _fmt(peak, unit), *projected, fit))
     widths = [max(len(row[i]) for row in [cols, *table]) for i in range(len(cols))]
     for row in [cols, *table]:
         print("  ".join(c.rjust(w) for c, w in zip(row, widths, strict=True)))

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import copy
 import functools
+from collections.abc import Callable
 from contextvars import ContextVar
 from dataclasses import dataclass
 
@@ -124,6 +125,9 @@ class Pipeline:
     parts: list[nn.Module]
     plan: ResolvedPipeline
     grad_accum: int = 1
+    parallelize_part: Callable[[nn.Module], nn.Module] | None = None
+    """What made each stage's part from its module; a simulated rank makes its probe alike
+    (meshrun.train.simulate_pipeline)."""
 
     @property
     def is_first(self) -> bool:
@@ -190,5 +194,5 @@ def build_pipeline(model: nn.Module, plan: ResolvedPipeline, pp_mesh, *, device:
         schedule = cls(stages[0], n_microbatches=plan.microbatches, loss_fn=loss_fn, scale_grads=False)
     else:
         schedule = cls(stages, n_microbatches=plan.microbatches, loss_fn=loss_fn, scale_grads=False)
-    return Pipeline(schedule, stages, parts, plan, grad_accum)
+    return Pipeline(schedule, stages, parts, plan, grad_accum, parallelize_part)
 

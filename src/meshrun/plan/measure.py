@@ -108,6 +108,7 @@ COLLECTIVE_KINDS = {
     "all_reduce_coalesced": "all_reduce",
     "alltoall_base_": "all_to_all", "alltoall_": "all_to_all", "all_to_all_single": "all_to_all",
     "broadcast_": "broadcast", "broadcast": "broadcast",
+    "send": "send", "recv_": "recv",  # point-to-point: pipeline stages' activations and gradients
 }
 
 
@@ -137,7 +138,7 @@ def _group_name(args) -> str:
 class Collectives(TorchDispatchMode):
     """Every collective dispatched while entered, on this rank: `records` maps (kind, process
     group name) to [count, bytes], where bytes are this rank's input buffers (an all-gather's
-    shard, a reduce-scatter's or all-reduce's whole input); `received` adds up what the
+    shard, a reduce-scatter's or all-reduce's whole input, a send's tensor, the buffer a recv fills); `received` adds up what the
     all-gathers (group size - 1 inputs) and all-to-alls (the output splits) brought in.
     `ProcessGroup.group_name` (or a DeviceMesh dimension's group) names the group."""
 
@@ -264,6 +265,21 @@ class PeakMemory:
                 if id(module) in roots and module in self.memory_tracking and not self._mod_tracker.is_bw:
                     self.reset_mod_stats()
                 super()._pre_fw_hook(module, inputs)
+
+            # A pipeline runs a micro-batch's forward before an earlier one's backward: the reset
+            # above has dropped the module figures that backward's hooks would add to (KeyError in
+            # MemTracker). Those figures are not read; the peak does not depend on them.
+            def _post_fw_hook(self, module, inputs, outputs):
+                if module in self.memory_tracking:
+                    super()._post_fw_hook(module, inputs, outputs)
+
+            def _pre_bw_hook(self, module, args):
+                if module is None or module in self.memory_tracking:
+                    super()._pre_bw_hook(module, args)
+
+            def _post_bw_hook(self, module, args):
+                if module is None or module in self.memory_tracking:
+                    super()._post_bw_hook(module, args)
 
             def _update_peak_stats(self, peak_state) -> None:
                 # After every op MemTracker also walks every module it knows for the per-module peaks,

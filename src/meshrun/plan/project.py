@@ -15,7 +15,12 @@ its collectives per step (kind, mesh dimension, bytes), and the model's FLOPs pe
   per GPU when the group's ranks span nodes;
 - overlap: data-parallel traffic (FSDP's all-gathers and reduce-scatters, DDP's all-reduce)
   overlaps compute (prefetch, buckets) and only what exceeds it shows; TP's and context parallel's
-  collectives sit on the critical path (eager TP, no async TP) and add up.
+  collectives sit on the critical path (eager TP, no async TP) and add up, and so do a pipeline's
+  sends and receives of activations and gradients;
+- pipeline bubble: a schedule of pp stages over m micro-batches with v stages per rank idles
+  (pp - 1) / (m x v) of its compute (Narayanan et al., arXiv:2104.04473), added to the compute;
+  the zero-bubble schedules are counted as interleaved 1F1B (their weight-gradient passes fill
+  part of it: an upper bound).
 The step is the slowest representative rank's. MFU is the model FLOPs (no recomputation) per
 second per GPU over the dense peak, as torchtitan and nanoGPT count it.
 """
@@ -110,6 +115,14 @@ def wire_bytes(kind: str, nbytes: int, n: int) -> float:
     return float(nbytes)  # broadcast, send, recv
 
 
+def pipeline_bubble(layout) -> float:  # noqa: ANN001 - a ResolvedLayout
+    """The idle share of a pipeline's compute, (pp - 1) / (micro-batches x stages per rank); 0 without one."""
+    plan = layout.pipeline
+    if plan is None or layout.dims.pp <= 1:
+        return 0.0
+    return (layout.dims.pp - 1) / (plan.microbatches * plan.stages_per_rank)
+
+
 def check_inputs(efficiency: float | None, inter_node_gbps: float) -> None:
     """One line for a projection input out of range (before a simulation, and in `project`)."""
     if efficiency is not None and not 0 < efficiency <= 1:
@@ -134,11 +147,13 @@ class Projection:
         comm = ", ".join(f"{d} {seconds_text(s)}" for d, s in sorted(self.comm_s.items())) or "none"
         return (f"projected on {self.device.name} (compute at {self.efficiency:.0%} of {self.device_peak:.0f} TFLOPS, "
                 f"NVLink {self.device.nvlink_gbps:.0f} GB/s, inter-node {self.inter_node_gbps:g} Gb/s per GPU): "
-                f"step {seconds_text(self.step_s)} = compute {seconds_text(self.compute_s)} + exposed communication "
+                f"step {seconds_text(self.step_s)} = compute {seconds_text(self.compute_s)}"
+                f"{f' (with the pipeline bubble, +{self.bubble:.0%})' if self.bubble else ''} + exposed communication "
                 f"{seconds_text(self.exposed_s)} (communication per step: {comm}); "
                 f"{self.tokens_per_s_per_gpu:,.0f} tokens/s per GPU, MFU {self.mfu:.1%}")
 
     device_peak: float = 0.0
+    bubble: float = 0.0  # the pipeline's idle share added to the compute (`pipeline_bubble`)
 
 
 def project(sim, *, flops_per_token: int, seq_len: int, nproc_per_node: int, device_name: str = "h100",
@@ -156,7 +171,7 @@ def project(sim, *, flops_per_token: int, seq_len: int, nproc_per_node: int, dev
     peak = (dev.fp32_tflops if dtype == "fp32" else dev.bf16_tflops) * 1e12
     model_flops = flops_per_token * global_tokens / dims.world_size
     recompute = 4 / 3 if activation_checkpointing else 1.0  # one more forward: 2 N of the 6 N
-    compute_s = model_flops * recompute / (peak * efficiency)
+    compute_s = model_flops * recompute / (peak * efficiency) * (1 + pipeline_bubble(layout))
     sizes = _sizes(dims)
     slowest: tuple[float, float, dict[str, float]] | None = None
     for rank in sim.ranks:
@@ -173,4 +188,4 @@ def project(sim, *, flops_per_token: int, seq_len: int, nproc_per_node: int, dev
     exposed, step_s, per_dim = slowest or (0.0, compute_s, {})
     tokens = global_tokens / step_s / dims.world_size
     return Projection(dev, efficiency, inter_node_gbps, compute_s, per_dim, exposed, step_s, tokens,
-                      flops_per_token * tokens / peak, peak / 1e12)
+                      flops_per_token * tokens / peak, peak / 1e12, pipeline_bubble(layout))

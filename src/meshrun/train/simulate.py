@@ -19,8 +19,11 @@ step but the first, and its peak memory (torch's `MemTracker`, through
 So the bytes below are those of the real local shards, and the collectives are the ones the
 step issued (`meshrun.plan.measure.Collectives`), named by their mesh dimension.
 
-Not yet: pipeline stages (torch's schedule reads a tensor value at its first step: the P2P
-warm-up vote, `result.item()` in schedules.py `_warmup_p2p`), refused in one line.
+Pipelines: torch's schedule starts by asking its peers (a P2P vote read with `.item()`, then the
+shapes each stage sends, as pickled objects), which a fake process group cannot answer. The
+simulation answers for them in a first step (`meshrun.train.simulate_pipeline`: the shapes a
+probe of the first stage gives) and measures the second, as a real run's steady step: the
+schedule as torch runs it, its sends and receives counted. The zero-bubble schedules get no peak.
 
 Representative ranks: shapes differ only by pipeline stage and by the last shard of an uneven
 split, so each stage is simulated at its first rank and at the rank with the last dp_shard, cp
@@ -31,6 +34,7 @@ state the step created.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -39,7 +43,6 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from meshrun.errors import ConfigError
 from meshrun.parallel.resolve import ResolvedLayout
 
 
@@ -88,7 +91,7 @@ def representative_ranks(layout: ResolvedLayout) -> list[int]:
     for stage in range(dims.pp):
         first = stage * stride[axis["pp"]]
         last = first + sum((shape[axis[name]] - 1) * stride[axis[name]] for name in ("dp_shard", "cp", "tp"))
-        ranks += [r for r in (first, last) if r not in ranks]
+        ranks += [first] + ([last] if last != first else [])
     return ranks
 
 
@@ -139,7 +142,9 @@ def simulate_rank(build_model: Callable[[], nn.Module], layout: ResolvedLayout, 
     )
 
     from meshrun.parallel.layout import build_layout
+    from meshrun.parallel.pipeline import stage_module
     from meshrun.plan.measure import Collectives, PeakMemory, prime_optimizer_state
+    from meshrun.train.simulate_pipeline import measures_peak, stage_boundary, without_p2p_metadata
     from meshrun.train.step import layout_step
 
     if dist.is_initialized():
@@ -155,6 +160,10 @@ def simulate_rank(build_model: Callable[[], nn.Module], layout: ResolvedLayout, 
                 part.register_comm_hook(part.process_group, _all_reduce_hook)
         optimizers = [build_optimizer(part) for part in built.parts]
         groups = _mesh_dims(built)
+        probe = None  # the first stage without its blocks, parallelized as the stages were (stage_boundary)
+        if built.pipeline is not None:
+            probe = built.pipeline.parallelize_part(stage_module(build_model(), 0, layout.pipeline.num_stages, [],
+                                                                 in_place=True))
         with fake:
             tokens = torch.zeros(layout.options.batch_size, seq_len, dtype=torch.long, device=device)
 
@@ -162,14 +171,19 @@ def simulate_rank(build_model: Callable[[], nn.Module], layout: ResolvedLayout, 
                 while True:
                     yield tokens, tokens
 
+            if built.pipeline is not None:  # the schedule's first step infers its shapes: a step of its own
+                without_p2p_metadata(built.pipeline, stage_boundary(probe, built, tokens, dtype))
+                layout_step(built, optimizers, batches(), grad_accum=1, dtype=dtype, grad_clip=grad_clip,
+                            sync_each_micro_batch=sync_each_micro_batch)
             prime_optimizer_state(optimizers)  # the step below holds the optimizer state, as every step but the first
             run = min(grad_accum, MIDDLE_MICRO_BATCHES + 2)
-            with PeakMemory(built.parts, optimizers) as memory, Collectives() as comms:
+            memory = PeakMemory(built.parts, optimizers) if measures_peak(layout) else contextlib.nullcontext()
+            with memory, Collectives() as comms:
                 marked = _MicroBatchMarks(batches(), comms)
                 layout_step(built, optimizers, marked, grad_accum=run, dtype=dtype, grad_clip=grad_clip,
                             sync_each_micro_batch=sync_each_micro_batch)
             marked.count_skipped(grad_accum - run)
-        return rank_usage(built, optimizers, comms, groups, peak=memory.peak)
+        return rank_usage(built, optimizers, comms, groups, peak=getattr(memory, "peak", None))
     finally:
         dist.destroy_process_group()
 
@@ -379,10 +393,6 @@ def simulate(cfg, world_size: int, *, vocab_size: int | None = None) -> Simulati
     shape = (model_shape_from_config(cfg.model, model_args_from_config(cfg.model, vocab_size))
              if not cfg.model.factory else None)
     layout = resolve_layout(ParallelOptions.from_config(cfg), world_size, shape)
-    if layout.dims.pp > 1:
-        raise ConfigError(f"--simulate runs no pipeline stages yet ({layout.describe()}): torch's schedule reads a "
-                          "tensor's value in its first step, which a fake tensor has none of; plan this layout "
-                          "without --simulate")
 
     def model() -> nn.Module:
         with on_meta():
