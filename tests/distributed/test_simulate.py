@@ -84,8 +84,9 @@ def _optimizer(part):
     return build_optimizer(part, OPTIM)
 
 
-def _real_rank(name: str):
-    """One layout's step on this rank of a real gloo launch: what `simulate_rank` must find."""
+def _real_rank(name: str, ckpt_dir: str):
+    """One layout's step on this rank of a real gloo launch: what `simulate_rank` must find; then
+    a real checkpoint save of it into `ckpt_dir` (DCP: one file per rank, `__<rank>_0.distcp`)."""
     from meshrun.parallel.layout import build_layout
     from meshrun.plan.measure import Collectives, PeakMemory, prime_optimizer_state
     from meshrun.train.simulate import rank_usage
@@ -104,22 +105,45 @@ def _real_rank(name: str):
     with memory, Collectives() as comms:
         layout_step(built, optimizers, batches, grad_accum=layout.options.grad_accum, dtype=layout.options.dtype,
                     grad_clip=1.0)
-    return rank_usage(built, optimizers, comms, peak=getattr(memory, "peak", None))
+    usage = rank_usage(built, optimizers, comms, peak=getattr(memory, "peak", None))
+    import torch.distributed.checkpoint as dcp
+
+    from meshrun.checkpoint.state import TrainState, tensor_state
+
+    dcp.save(tensor_state(TrainState(built.parts, optimizers, [], None)), checkpoint_id=ckpt_dir)
+    return usage
+
+
+def _written_per_rank(path) -> dict[int, int]:  # noqa: ANN001 - a Path
+    """Tensor bytes each rank's file holds in the DCP checkpoint at `path`, from its metadata
+    (meshrun's restricted reader): every chunk's size, by the file that stores it."""
+    import math
+
+    from meshrun.checkpoint.safe_load import read_metadata
+
+    meta = read_metadata(path)
+    written: dict[int, int] = {}
+    for fqn, item in meta.state_dict_metadata.items():
+        for chunk in getattr(item, "chunks", ()):  # tensors; plain values have none
+            index = next(i for i in meta.storage_data if i.fqn == fqn and tuple(i.offset) == tuple(chunk.offsets))
+            rank = int(meta.storage_data[index].relative_path.split("_")[2])  # __<rank>_0.distcp
+            written[rank] = written.get(rank, 0) + math.prod(chunk.sizes) * item.properties.dtype.itemsize
+    return written
 
 
 def _usage(rank, peak: bool = True) -> tuple:  # noqa: ANN001 - a RankSimulation
-    return rank.params, rank.grads, rank.optim, rank.collectives, rank.peak if peak else None
+    return rank.params, rank.grads, rank.optim, rank.collectives, rank.checkpoint, rank.peak if peak else None
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
-def test_every_simulated_rank_holds_and_sends_what_the_real_rank_does(name):
+def test_every_simulated_rank_holds_and_sends_what_the_real_rank_does(name, tmp_path):
     from meshrun.testing.harness import _context
     from meshrun.train.simulate import representative_ranks, simulate_rank_isolated
 
     layout = _layout(name)
     # a launch of its own: a process that built other layouts before may skip a collective a fresh
     # one issues (measured: TP's first output all-gather), and a simulated rank is a fresh world
-    real = run_distributed(_real_rank, world_size=layout.world_size, args=(name,), timeout=180,
+    real = run_distributed(_real_rank, world_size=layout.world_size, args=(name, str(tmp_path)), timeout=180,
                            env={"OMP_NUM_THREADS": "1"})
     chosen = representative_ranks(layout)
     peaks = {}
@@ -130,6 +154,7 @@ def test_every_simulated_rank_holds_and_sends_what_the_real_rank_does(name):
                                      context=_context())
         got = real[rank]
         assert (sim.params, sim.grads, sim.optim) == (got.params, got.grads, got.optim), (name, rank, sim, got)
+        assert sim.checkpoint == got.checkpoint and got.checkpoint["expected"] > 0, (name, rank, sim, got)
         assert sim.coords == got.coords, (name, rank)
         assert sim.collectives == got.collectives, (name, rank, sim.collectives, got.collectives)
         assert got.collectives, (name, rank, "a step of several ranks communicates")
@@ -150,6 +175,12 @@ def test_every_simulated_rank_holds_and_sends_what_the_real_rank_does(name):
     exact = name not in PEAK_INEXACT
     for rank in others:  # what the report leaves out is what it shows
         assert any(_usage(real[rank], exact) == _usage(real[rep], exact) for rep in chosen), (name, rank, real[rank])
+    # what a rank's part of a checkpoint holds: the real save wrote, over all ranks, what their shares add up to
+    # (DCP writes each tensor several ranks hold once, on one of them); each wrote at least its own shards
+    written = _written_per_rank(tmp_path)
+    expected = sum(real[rank].checkpoint["expected"] for rank in range(layout.world_size))
+    assert sum(written.values()) == expected, (name, written, expected)
+    assert all(written[rank] >= real[rank].checkpoint["own"] for rank in written), (name, written)
 
 
 def test_representative_ranks_cover_each_stage_and_the_last_shard():

@@ -159,3 +159,50 @@ def set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available() and len(state["cuda"]) == torch.cuda.device_count():
         torch.cuda.set_rng_state_all(state["cuda"])
+
+
+@dataclass(frozen=True)
+class SaveShare:
+    """What one rank's part of a checkpoint save (`dcp.save` of `tensor_state`) holds, in bytes:
+    `own`, the tensors (shards) no other rank holds; `replicated`, those other ranks hold too,
+    which DCP writes once among them (its planner deduplicates, spreading them over the holders);
+    `expected`, own plus each replicated tensor's share (its bytes / its holders)."""
+
+    own: int
+    replicated: int
+    expected: float
+
+
+def save_share(state: TrainState, *, world_size: int, pp: int = 1) -> SaveShare:
+    """This rank's `SaveShare`, from DCP's own local save plan of `tensor_state(state)` (no I/O).
+
+    Every rank of a pipeline stage (world_size / pp) has each of the stage's tensors; a chunk of
+    one is held by those ranks over the chunks it is cut into (a DTensor's mesh dimensions that
+    shard it; a norm sharded over dp_shard only, under tp, is held by each tp rank; a plain tensor,
+    one chunk, by all of them)."""
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+    from torch.distributed.checkpoint.planner import WriteItemType
+    from torch.distributed.tensor import DTensor
+
+    planner = DefaultSavePlanner()
+    planner.set_up_planner(tensor_state(state), is_coordinator=False)
+    values = planner.state_dict  # flattened, keyed as the plan's items
+    own = replicated = 0
+    expected = 0.0
+    for item in planner.create_local_plan().items:
+        if item.type == WriteItemType.BYTE_IO or item.tensor_data is None:
+            continue
+        nbytes = int(torch.Size(item.tensor_data.chunk.sizes).numel()) * item.tensor_data.properties.dtype.itemsize
+        value = values[item.index.fqn]
+        pieces = 1  # the distinct chunks the tensor is cut into
+        if isinstance(value, DTensor):
+            for dim, placement in enumerate(value.placements):
+                if not placement.is_replicate():  # Shard, and FSDP-over-TP's _StridedShard (not is_shard())
+                    pieces *= value.device_mesh.size(dim)
+        holders = max(1, world_size // pp // pieces)
+        if holders > 1:
+            replicated += nbytes
+        else:
+            own += nbytes
+        expected += nbytes / holders
+    return SaveShare(own, replicated, expected)

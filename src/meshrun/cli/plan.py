@@ -35,7 +35,9 @@ rank and its rank with the last shard); bytes are the local shards', peak is the
 bytes held in a step with the optimizer state there (torch's MemTracker), collectives are per
 mesh dimension (count and this rank's input bytes per step; a pipeline's sends and receives
 too, in a step after the first, which infers the stages' shapes; zero-bubble schedules show no
-peak: torch's MemTracker cannot follow them). With --device: the projected step time, tokens/s
+peak: torch's MemTracker cannot follow them); ckpt writes is its part of a checkpoint save (DCP's
+own save plan: its shards, plus its share of the tensors other ranks hold too, which DCP writes
+once among them). With --device: the projected step time, tokens/s
 per GPU and MFU (meshrun.plan.project: compute at --compute-efficiency of the dense peak plus a
 pipeline's bubble, data-parallel traffic overlapped, TP, context-parallel and pipeline traffic
 added); a rank whose weights, gradients and optimizer state are over
@@ -300,7 +302,8 @@ def _simulate(cfg, a) -> int:
         print(json.dumps({
             "world": world, "layout": sim.layout.describe(), "seconds": round(sim.seconds, 2), "note": sim.note,
             "ranks": [{"rank": r.rank, "coords": r.coords, "params": r.params, "grads": r.grads, "optim": r.optim,
-                       "peak": r.peak, "collectives": [vars(c) for c in r.collectives]} for r in sim.ranks],
+                       "peak": r.peak, "checkpoint": r.checkpoint, "collectives": [vars(c) for c in r.collectives]}
+                      for r in sim.ranks],
             "projection": None if projection is None else {
                 "device": projection.device.name, "compute_efficiency": projection.efficiency,
                 "inter_node_gbps": projection.inter_node_gbps, "compute_s": projection.compute_s,
@@ -314,16 +317,23 @@ def _simulate(cfg, a) -> int:
           f"{len(sim.ranks)} representative rank(s), one training step each")
     if sim.note:
         print(f"note: {sim.note}")
-    cols = ("rank", "coords", "params", "grads", "optim", "state", "peak", "peak activ")
+    cols = ("rank", "coords", "params", "grads", "optim", "state", "peak", "peak activ", "ckpt writes")
     rows = [(str(r.rank), " ".join(f"{k}={v}" for k, v in r.coords.items() if sim.layout.dims.degrees.get(k, 1) > 1)
              or "-", _fmt(r.params, unit), _fmt(r.grads, unit), _fmt(r.optim, unit), _fmt(r.state, unit),
              _fmt(r.peak["total"], unit) if r.peak else "-",
-             _fmt(r.peak["act"] + r.peak["temp"], unit) if r.peak else "-")
+             _fmt(r.peak["act"] + r.peak["temp"], unit) if r.peak else "-",
+             _fmt(r.checkpoint["expected"], unit) if r.checkpoint else "-")
             for r in sim.ranks]
     widths = [max(len(row[i]) for row in [cols, *rows]) for i in range(len(cols))]
     print(f"{unit_name} per rank:")
     for row in [cols, *rows]:
         print("  ".join(c.rjust(w) for c, w in zip(row, widths, strict=True)))
+    shared = [r for r in sim.ranks if r.checkpoint.get("replicated")]
+    if shared:  # what "ckpt writes" shares out
+        r = max(shared, key=lambda r: r.checkpoint["replicated"])
+        print(f"ckpt writes: its own shards, plus its share of the tensors other ranks hold too, which a "
+              f"checkpoint writes once among them (rank {r.rank}: {_fmt(r.checkpoint['own'], unit)} own, "
+              f"{_fmt(r.checkpoint['replicated'], unit)} held by others too)")
     print("\ncollectives per step (count, MiB of this rank's inputs):")
     for r in sim.ranks:
         uses = ", ".join(f"{c.kind} over {c.dim}: {c.count} x, {c.bytes / MIB:.1f}" for c in r.collectives)

@@ -69,6 +69,9 @@ class RankSimulation:
     peak: dict[str, int] = field(default_factory=dict)
     """The most tensor bytes held at once in a step, by category (param, buffer, grad, act,
     temp, optim) and "total" (`meshrun.plan.measure.PeakMemory`); empty where not measured."""
+    checkpoint: dict[str, float] = field(default_factory=dict)
+    """Its part of a checkpoint save (`meshrun.checkpoint.state.SaveShare`: bytes of its own
+    shards, of the tensors other ranks hold too, and what it writes once DCP shares those out)."""
 
     @property
     def state(self) -> int:
@@ -237,6 +240,7 @@ def rank_usage(built, optimizers: list[torch.optim.Optimizer], comms, groups: di
     what a real run measures the same way."""
     import torch.distributed as dist
 
+    from meshrun.checkpoint.state import TrainState, save_share
     from meshrun.parallel.dims import MESH_AXES
     from meshrun.plan.measure import local_bytes
 
@@ -248,8 +252,10 @@ def rank_usage(built, optimizers: list[torch.optim.Optimizer], comms, groups: di
         coords = dict(zip(MESH_AXES, built.mesh.get_coordinate() or (), strict=False))
     uses = tuple(CollectiveUse(kind, groups.get(group, group or "?"), count, nbytes)
                  for (kind, group), (count, nbytes) in sorted(comms.records.items()))
+    share = save_share(TrainState(built.parts, optimizers, [], None), world_size=built.world_size, pp=built.pp)
     return RankSimulation(dist.get_rank() if dist.is_initialized() else 0, coords, local_bytes(params),
-                          local_bytes(p for p in params if p.requires_grad), local_bytes(states), uses, dict(peak or {}))
+                          local_bytes(p for p in params if p.requires_grad), local_bytes(states), uses, dict(peak or {}),
+                          {"own": share.own, "replicated": share.replicated, "expected": share.expected})
 
 
 RANK_TIMEOUT_S = 900.0
