@@ -174,31 +174,30 @@ class SaveShare:
 
 
 def save_share(state: TrainState, *, world_size: int, pp: int = 1) -> SaveShare:
-    """This rank's `SaveShare`, from DCP's own local save plan of `tensor_state(state)` (no I/O).
+    """This rank's `SaveShare` of `tensor_state(state)`, what `dcp.save` is given (no I/O): DCP
+    writes each tensor as this rank's local chunk (a DTensor's local shard, a plain tensor whole).
+    Not through DCP's own planner: its local plan computes every shard's global offset over the
+    whole mesh, 45 s a rank for a 70B model at 8,192 ranks, for the same sizes.
 
     Every rank of a pipeline stage (world_size / pp) has each of the stage's tensors; a chunk of
     one is held by those ranks over the chunks it is cut into (a DTensor's mesh dimensions that
-    shard it; a norm sharded over dp_shard only, under tp, is held by each tp rank; a plain tensor,
-    one chunk, by all of them)."""
-    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-    from torch.distributed.checkpoint.planner import WriteItemType
+    do not replicate it; a norm sharded over dp_shard only, under tp, is held by each tp rank; a
+    plain tensor, one chunk, by all of them)."""
     from torch.distributed.tensor import DTensor
 
-    planner = DefaultSavePlanner()
-    planner.set_up_planner(tensor_state(state), is_coordinator=False)
-    values = planner.state_dict  # flattened, keyed as the plan's items
+    tensors = tensor_state(state)
     own = replicated = 0
     expected = 0.0
-    for item in planner.create_local_plan().items:
-        if item.type == WriteItemType.BYTE_IO or item.tensor_data is None:
-            continue
-        nbytes = int(torch.Size(item.tensor_data.chunk.sizes).numel()) * item.tensor_data.properties.dtype.itemsize
-        value = values[item.index.fqn]
+    for value in [*tensors["model"].values(), *tensors["optim"].values()]:
+        if not isinstance(value, torch.Tensor):
+            continue  # plain values (the optimizer's hyperparameters) go into DCP's metadata
         pieces = 1  # the distinct chunks the tensor is cut into
         if isinstance(value, DTensor):
             for dim, placement in enumerate(value.placements):
                 if not placement.is_replicate():  # Shard, and FSDP-over-TP's _StridedShard (not is_shard())
                     pieces *= value.device_mesh.size(dim)
+            value = value.to_local()
+        nbytes = value.numel() * value.element_size()
         holders = max(1, world_size // pp // pieces)
         if holders > 1:
             replicated += nbytes

@@ -35,8 +35,8 @@ rank and its rank with the last shard); bytes are the local shards', peak is the
 bytes held in a step with the optimizer state there (torch's MemTracker), collectives are per
 mesh dimension (count and this rank's input bytes per step; a pipeline's sends and receives
 too, in a step after the first, which infers the stages' shapes; zero-bubble schedules show no
-peak: torch's MemTracker cannot follow them); ckpt writes is its part of a checkpoint save (DCP's
-own save plan: its shards, plus its share of the tensors other ranks hold too, which DCP writes
+peak: torch's MemTracker cannot follow them); ckpt writes is its part of a checkpoint save (its
+shards of the saved state, plus its share of the tensors other ranks hold too, which DCP writes
 once among them). With --device: the projected step time, tokens/s
 per GPU and MFU (meshrun.plan.project: compute at --compute-efficiency of the dense peak plus a
 pipeline's bubble, data-parallel traffic overlapped, TP, context-parallel and pipeline traffic
