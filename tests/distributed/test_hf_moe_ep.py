@@ -59,3 +59,25 @@ def test_hf_moe_ep_with_tp_and_with_fsdp_on_4_ranks_matches_transformers(tmp_pat
     dirs = {arch: str(hf_zoo.save_tiny(tmp_path / arch, arch)) for arch in CASES_4}
     ranks = run_distributed(_rank_4, world_size=4, args=(dirs,), timeout=240, env=matrix.ENV)
     _check(ranks, dirs, {arch: rows for arch, (_, rows) in CASES_4.items()})
+
+
+def test_meshrun_plan_simulates_an_hf_moe_under_ep(tmp_path):
+    """`meshrun plan --simulate` of a model.hf mixture of experts (bf16) under ep 2 x efsdp 2 on 4
+    ranks: the experts' tokens travel over ep by all-to-all (rows and counts, forward and back),
+    the experts' shards over efsdp. (fp32 is refused by the simulation: torch 2.13's fake
+    `_grouped_mm`, transformers' experts on CPU, takes bf16 only, though the CPU kernel takes fp32.)"""
+    import json
+
+    from conftest import meshrun
+
+    hf = hf_zoo.save_tiny(tmp_path / "mixtral", "mixtral")
+    result = meshrun("plan", "--simulate", "--json", "--world", "4", "--set", f"model.hf={hf}", "--set",
+                     "parallel.strategy=fsdp", "--set", "parallel.dp_shard=4", "--set", "parallel.ep=2", "--set",
+                     "data.seq_len=16", "--set", "train.dtype=bf16", timeout=180, cwd=tmp_path)
+    assert result.returncode == 0, result.output
+    ranks = json.loads(result.stdout)["ranks"]
+    layers = json.loads((hf / "config.json").read_text())["num_hidden_layers"]
+    for rank in ranks:
+        uses = {(c["kind"], c["dim"]): c["count"] for c in rank["collectives"]}
+        assert uses[("all_to_all", "ep")] == 5 * layers, uses  # counts, rows out and back, both ways in backward
+        assert ("all_gather", "efsdp") in uses and ("reduce_scatter", "efsdp") in uses, uses

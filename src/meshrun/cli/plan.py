@@ -34,8 +34,8 @@ keys and values of the other cp ranks and their gradients (communication, not me
 rank and its rank with the last shard); bytes are the local shards', peak is the most tensor
 bytes held in a step with the optimizer state there (torch's MemTracker), collectives are per
 mesh dimension (count and this rank's input bytes per step; a pipeline's sends and receives
-too, in a step after the first, which infers the stages' shapes; zero-bubble schedules show no
-peak: torch's MemTracker cannot follow them); ckpt writes is its part of a checkpoint save (its
+too, in a step after the first, which infers the stages' shapes; MoE: tokens routed evenly);
+ckpt writes is its part of a checkpoint save (its
 shards of the saved state, plus its share of the tensors other ranks hold too, which DCP writes
 once among them). With --device: the projected step time, tokens/s
 per GPU and MFU (meshrun.plan.project: compute at --compute-efficiency of the dense peak plus a
@@ -373,7 +373,7 @@ def _compare(cfg, a, world: int, per_node: int, dev) -> int:
             skipped.append(f"{est.layout}: {' '.join(str(exc).split())}")
             continue
         state = max(r.state for r in sim.ranks)
-        peak = max((r.peak["total"] for r in sim.ranks if r.peak), default=None)  # None: not measured (zero bubble)
+        peak = max((r.peak["total"] for r in sim.ranks if r.peak), default=None)
         projection = _project(candidate, a, sim, per_node) if dev else None
         fits = None if limit is None else state <= limit
         rows.append((est, sim, state, peak, projection, fits))

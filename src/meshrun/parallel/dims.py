@@ -189,6 +189,10 @@ class ParallelDims:
         """This rank's index among the data-parallel ranks: the data loader's rank."""
         return cls.dp_mesh(mesh).get_local_rank()
 
+    def expert_meshes(self, mesh: DeviceMesh) -> DeviceMesh | None:
+        """The (dp_replicate, efsdp, ep) mesh `build_mesh` made of `mesh` when ep > 1, else None."""
+        return self._expert_meshes.get(id(mesh))
+
     def ep_mesh(self, mesh: DeviceMesh) -> DeviceMesh:
         """The 1-D "ep" mesh of `mesh` (built by `build_mesh` when ep > 1): the ranks whose
         experts together make all the experts, and between which tokens travel."""

@@ -84,21 +84,23 @@ class ExpertParallel(ParallelStyle):
         x, counts = inputs
         ep, group = mesh.size(), mesh.get_group()
         local = counts.shape[0] // ep
-        if is_fake(counts):  # `meshrun plan --simulate`: no values, so a balanced exchange
-            even = [x.shape[0] // ep] * ep
-            rows = funcol.all_to_all_single_autograd(x, even, even, group)
-            module._ep_route = (torch.arange(rows.shape[0], device=x.device), even, even)
-            return rows, counts.view(ep, local).sum(0)
         # counts[e] rows go to the owner of expert e; learn, from each peer, its rows per local expert
         received = funcol.all_to_all_single(counts, None, None, group)
         received = torch.ops._c10d_functional.wait_tensor(received)
-        send = counts.view(ep, local).sum(1).tolist()
-        recv = received.view(ep, local).sum(1).tolist()
+        fake = is_fake(counts)
+        if fake:  # `meshrun plan --simulate`: no values, so a balanced exchange (the same work otherwise)
+            send = recv = [x.shape[0] // ep] * ep
+        else:
+            send = counts.view(ep, local).sum(1).tolist()
+            recv = received.view(ep, local).sum(1).tolist()
         rows = funcol.all_to_all_single_autograd(x, recv, send, group)
         # (source, local expert) blocks -> (local expert, source): a stable sort on the block key
-        block = torch.repeat_interleave(torch.arange(ep * local, device=x.device), received)
+        block = torch.repeat_interleave(torch.arange(ep * local, device=x.device), received,
+                                        output_size=rows.shape[0])
         order = torch.argsort((block % local) * ep + block // local, stable=True)
         module._ep_route = (order, send, recv)
+        if fake:
+            return rows[order], received.view(ep, local).sum(0)
         me = mesh.get_local_rank()
         self.rows_bytes += (sum(send) - send[me] + sum(recv) - recv[me]) * x.shape[1] * x.element_size()
         self.counts_bytes += (ep - 1) * local * counts.element_size()
@@ -179,10 +181,13 @@ def _hf_experts_forward(module: nn.Module, hidden_states: torch.Tensor, top_k_in
     tokens, k = top_k_index.shape
     experts = top_k_index.reshape(-1)
     order = torch.argsort(experts, stable=True)
-    counts = torch.bincount(experts, minlength=module.num_experts)
+    # a scatter, not bincount: its size is known without the values (`meshrun plan --simulate`)
+    counts = torch.zeros(module.num_experts, dtype=torch.long, device=experts.device)
+    counts.scatter_add_(0, experts, torch.ones_like(experts))
     rows, local_counts = style._dispatch(module, (hidden_states[order // k], counts), mesh)
     local = _LocalExperts(module)
-    ids = torch.repeat_interleave(torch.arange(local.num_experts, device=rows.device), local_counts)
+    ids = torch.repeat_interleave(torch.arange(local.num_experts, device=rows.device), local_counts,
+                                  output_size=rows.shape[0])
     own = ALL_EXPERTS_FUNCTIONS.get_interface(module._meshrun_local_experts,
                                               type(module).forward.__wrapped__)
     out = own(local, rows, ids[:, None], torch.ones(rows.shape[0], 1, dtype=top_k_weights.dtype,

@@ -241,7 +241,8 @@ class PeakMemory:
     CATEGORIES = {"Parameter": "param", "Buffer": "buffer", "Gradient": "grad", "Activation": "act",
                   "Temp": "temp", "Optstate": "optim", "Other": "other"}
 
-    def __init__(self, modules: Iterable[torch.nn.Module], optimizers: Iterable[torch.optim.Optimizer] = ()):
+    def __init__(self, modules: Iterable[torch.nn.Module], optimizers: Iterable[torch.optim.Optimizer] = (), *,
+                 module_hooks: bool = True):
         from torch.distributed._tools.mem_tracker import MemTracker
 
         modules = list(modules)
@@ -294,6 +295,8 @@ class PeakMemory:
                         peak_snap[dev] = dict(dev_snap)
 
         self._tracker = Tracker()
+        if not module_hooks:
+            self._tracker._mod_tracker = _NoModuleHooks()
         self._tracker.track_external(*modules, *optimizers)
         self.peak: dict[str, int] = {}
 
@@ -311,6 +314,35 @@ class PeakMemory:
                 name = "total" if key == "Total" else self.CATEGORIES.get(getattr(key, "value", str(key)), str(key))
                 peak[name] = peak.get(name, 0) + int(nbytes)
         self.peak = peak
+
+
+class _NoModuleHooks:
+    """MemTracker's module tracker, without the module hooks: the tensors are still tracked, with
+    what is made in backward counted as temporary, but no module is told apart (`PeakMemory`
+    reads only the process-wide peak). For the steps whose backward the hooks break: the
+    zero-bubble schedules' input-gradient pass is an `autograd.grad` that a module's multi-grad
+    hook makes torch refuse ("A leaf node was passed to _will_engine_execute_node", torch 2.13)."""
+
+    parents: frozenset = frozenset({"Global"})
+
+    @property
+    def is_bw(self) -> bool:
+        return torch._C._current_graph_task_id() != -1
+
+    def register_user_hooks(self, *hooks) -> None:  # noqa: ANN002 - MemTracker's four hooks, not used
+        pass
+
+    def clear_user_hooks(self) -> None:
+        pass
+
+    def get_known_fqn(self, module: torch.nn.Module) -> None:
+        return None
+
+    def __enter__(self) -> _NoModuleHooks:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        pass
 
 
 def prime_optimizer_state(optimizers: Iterable[torch.optim.Optimizer]) -> None:

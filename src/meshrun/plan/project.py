@@ -57,7 +57,7 @@ DEVICES: dict[str, Device] = {
     "b200": Device("B200 180GB", 2250.0, 75.0, 180.0, 900.0, 0.40, "NVIDIA HGX B200 datasheet"),
 }
 
-OVERLAPPED = ("dp", "dp_shard", "dp_replicate", "dp_shard_cp", "world")
+OVERLAPPED = ("dp", "dp_shard", "dp_replicate", "dp_shard_cp", "efsdp", "world")
 """Mesh dimensions whose traffic overlaps compute (data parallel)."""
 
 
@@ -81,6 +81,7 @@ def _sizes(dims) -> dict[str, int]:
     sizes["dp"] = dims.dp_replicate * dims.dp_shard
     sizes["dp_shard_cp"] = dims.dp_shard * dims.cp
     sizes["world"] = dims.world_size
+    sizes["ep"], sizes["efsdp"] = dims.ep, dims.efsdp  # dp_shard unflattened into (efsdp, ep) for the experts
     return sizes
 
 
@@ -94,6 +95,9 @@ def group_span(dim: str, dims) -> int:
 
     if dim == "world":
         return dims.world_size
+    if dim in ("ep", "efsdp"):  # ep: neighbouring dp_shard ranks; efsdp: every ep-th of them
+        stride = prod(getattr(dims, a) for a in MESH_AXES[MESH_AXES.index("dp_shard") + 1:])
+        return stride * (dims.ep - 1) + 1 if dim == "ep" else stride * dims.ep * (dims.efsdp - 1) + 1
     parts = _FLATTENED.get(dim, (dim,))
     if any(p not in MESH_AXES for p in parts):
         return dims.world_size  # an ad-hoc group ("ranks 0,1"): assume the worst

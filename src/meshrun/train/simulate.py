@@ -34,7 +34,6 @@ state the step created.
 
 from __future__ import annotations
 
-import contextlib
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -114,6 +113,9 @@ def _mesh_dims(layout) -> dict[str, str]:
         root = getattr(mesh, "_get_root_mesh", lambda: mesh)()
         for flat, sub in getattr(root, "_flatten_mapping", {}).items():  # "dp", "dp_shard_cp"
             by_ranks.setdefault(tuple(dist.get_process_group_ranks(sub.get_group())), flat)
+        experts = layout.dims.expert_meshes(mesh) if layout.dims is not None else None
+        for dim in ("ep", "efsdp") if experts is not None else ():  # ep > 1: dp_shard unflattened
+            by_ranks.setdefault(tuple(dist.get_process_group_ranks(experts[dim].get_group())), dim)
     by_ranks.setdefault(tuple(range(dist.get_world_size())), "world")
     names = {}
     for group in list(_world.pg_names):
@@ -147,7 +149,11 @@ def simulate_rank(build_model: Callable[[], nn.Module], layout: ResolvedLayout, 
     from meshrun.parallel.layout import build_layout
     from meshrun.parallel.pipeline import stage_module
     from meshrun.plan.measure import Collectives, PeakMemory, prime_optimizer_state
-    from meshrun.train.simulate_pipeline import measures_peak, stage_boundary, without_p2p_metadata
+    from meshrun.train.simulate_pipeline import (
+        module_hooks_allowed,
+        stage_boundary,
+        without_p2p_metadata,
+    )
     from meshrun.train.step import layout_step
 
     if dist.is_initialized():
@@ -180,13 +186,13 @@ def simulate_rank(build_model: Callable[[], nn.Module], layout: ResolvedLayout, 
                             sync_each_micro_batch=sync_each_micro_batch)
             prime_optimizer_state(optimizers)  # the step below holds the optimizer state, as every step but the first
             run = min(grad_accum, MIDDLE_MICRO_BATCHES + 2)
-            memory = PeakMemory(built.parts, optimizers) if measures_peak(layout) else contextlib.nullcontext()
+            memory = PeakMemory(built.parts, optimizers, module_hooks=module_hooks_allowed(layout))
             with memory, Collectives() as comms:
                 marked = _MicroBatchMarks(batches(), comms)
                 layout_step(built, optimizers, marked, grad_accum=run, dtype=dtype, grad_clip=grad_clip,
                             sync_each_micro_batch=sync_each_micro_batch)
             marked.count_skipped(grad_accum - run)
-        return rank_usage(built, optimizers, comms, groups, peak=getattr(memory, "peak", None))
+        return rank_usage(built, optimizers, comms, groups, peak=memory.peak)
     finally:
         dist.destroy_process_group()
 

@@ -16,11 +16,11 @@ from torch import nn
 from meshrun.parallel.resolve import ResolvedLayout
 
 
-def measures_peak(layout: ResolvedLayout) -> bool:
-    """Whether a step of `layout` can be measured by torch's MemTracker (`PeakMemory`): not under
-    the zero-bubble schedules, whose input-gradient pass is an `autograd.grad` that the tracker's
+def module_hooks_allowed(layout: ResolvedLayout) -> bool:
+    """Whether torch's MemTracker may hook the modules of a step of `layout` (`PeakMemory`): not
+    under the zero-bubble schedules, whose input-gradient pass is an `autograd.grad` that the
     module hooks make torch refuse ("A leaf node was passed to _will_engine_execute_node", torch
-    2.13, real and fake tensors alike). Their ranks are reported without a peak."""
+    2.13, real and fake tensors alike). Their peak is measured without them."""
     from meshrun.parallel.rules_pp import ZERO_BUBBLE
 
     return layout.pipeline is None or layout.pipeline.schedule not in ZERO_BUBBLE
