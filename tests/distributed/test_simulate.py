@@ -42,6 +42,9 @@ OPTIM = SimpleNamespace(name="adamw", lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, 
                         implementation="auto")
 LAYOUTS = {  # name -> (world, ParallelOptions keywords); batch_size: per data-parallel rank
     "fsdp2": (2, dict(strategy="fsdp", dp_shard=2)),
+    "tp2_sp_loss_parallel": (2, dict(strategy="fsdp", dp_shard=1, tp=2, sequence_parallel=True, loss_parallel=True)),
+    "fsdp2_ac_no_reshard_offload": (2, dict(strategy="fsdp", dp_shard=2, activation_checkpointing=True,
+                                            fsdp_reshard_after_forward=False, fsdp_cpu_offload=True)),
     "ddp4": (4, dict(strategy="ddp")),
     "fsdp4": (4, dict(strategy="fsdp", dp_shard=4)),
     "hsdp2x2_grad_accum4": (4, dict(strategy="fsdp", dp_replicate=2, dp_shard=2, grad_accum=4)),
@@ -49,6 +52,8 @@ LAYOUTS = {  # name -> (world, ParallelOptions keywords); batch_size: per data-p
     "fsdp2_tp2_bf16": (4, dict(strategy="fsdp", dp_shard=2, tp=2, dtype="bf16")),
     "tp2_dp2_sp": (4, dict(strategy="fsdp", dp_replicate=2, dp_shard=1, tp=2, sequence_parallel=True)),
     "cp2_fsdp2": (4, dict(strategy="fsdp", dp_shard=2, cp=2)),
+    "cp4": (4, dict(strategy="fsdp", dp_shard=1, cp=4)),
+    "cp2_tp2": (4, dict(strategy="fsdp", dp_shard=1, cp=2, tp=2)),
     "fsdp4_ac_grad_accum5": (4, dict(strategy="fsdp", dp_shard=4, activation_checkpointing=True, grad_accum=5)),
     "hsdp2x2_tp2_sp": (8, dict(strategy="fsdp", dp_replicate=2, dp_shard=2, tp=2, sequence_parallel=True)),
     # pipelines: the stages' sends and receives counted too (measured in the second step: the first infers shapes)
@@ -74,7 +79,10 @@ PEAK_TOL = 0.10  # the bar: the simulated peak within 10% of the real one
 # the simulation away from the real step shows at once.
 # Pipelines: a sent activation is held until its send completes, which in a real run depends on
 # when the peer receives (two real ranks of one stage differed by 1.0%; the simulation: 16 bytes).
-PEAK_INEXACT = {"ddp4", "fsdp2_tp2_bf16", *(name for name in LAYOUTS if "pp2" in name.split("_"))}
+# Context parallel: its ring exchanges key/value blocks point to point as well, and a real rank's
+# peak moved by up to 0.5% between two launches of cp 4 (the simulation's: the same every time).
+PEAK_INEXACT = {"ddp4", "fsdp2_tp2_bf16",
+                *(name for name in LAYOUTS if {"pp2", "cp2", "cp4"} & set(name.split("_")))}
 
 
 def _args(name: str) -> ModelArgs:

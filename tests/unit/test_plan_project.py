@@ -47,6 +47,9 @@ def test_group_span_tells_which_groups_cross_nodes():
     assert group_span("dp_shard", dims) == 25  # 0, 8, 16, 24: four nodes
     assert group_span("dp", dims) == 57
     assert group_span("world", dims) == 64
+    experts = ParallelDims(world_size=64, dp_replicate=2, dp_shard=4, tp=8, pp=1, cp=1, ep=2)  # dp_shard = efsdp x ep
+    assert group_span("ep", experts) == 9  # 0, 8: neighbouring dp_shard ranks, two nodes
+    assert group_span("efsdp", experts) == 17  # 0, 16: every ep-th dp_shard rank
 
 
 def test_compute_bound_fsdp_step_by_hand():

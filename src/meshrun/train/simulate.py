@@ -23,7 +23,8 @@ Pipelines: torch's schedule starts by asking its peers (a P2P vote read with `.i
 shapes each stage sends, as pickled objects), which a fake process group cannot answer. The
 simulation answers for them in a first step (`meshrun.train.simulate_pipeline`: the shapes a
 probe of the first stage gives) and measures the second, as a real run's steady step: the
-schedule as torch runs it, its sends and receives counted. The zero-bubble schedules get no peak.
+schedule as torch runs it, its sends and receives counted. The zero-bubble schedules are
+measured without MemTracker's module hooks (`PeakMemory(module_hooks=False)`).
 
 Representative ranks: shapes differ only by pipeline stage and by the last shard of an uneven
 split, so each stage is simulated at its first rank and at the rank with the last dp_shard, cp
