@@ -66,6 +66,8 @@ LAYOUTS = {  # name -> (world, ParallelOptions keywords); batch_size: per data-p
     # tiny-moe (MOE_ARGS): the experts over ep 2, FSDP-sharded over the 2 ranks holding the same ones
     # (efsdp); tokens travel by all-to-all. The simulation routes evenly (no values to route by), so
     # the real launch's router is made to as well (_balanced_routes)
+    # LoRA (rank 4 on the attention and MLP projections, the base frozen): a checkpoint holds the adapters
+    "lora_fsdp2_bf16": (2, dict(strategy="fsdp", dp_shard=2, dtype="bf16")),
     "moe_ep2_fsdp4": (4, dict(strategy="fsdp", dp_shard=4, ep=2)),
     "moe_ep2_tp2_sp": (4, dict(strategy="fsdp", dp_shard=2, ep=2, tp=2, sequence_parallel=True)),
     "moe_ep2_pp2": (4, dict(strategy="fsdp", dp_shard=2, ep=2, pp=2, batch_size=4)),
@@ -90,8 +92,13 @@ def _args(name: str) -> ModelArgs:
 
 
 def _model(name: str) -> Transformer:
+    from meshrun.config.lora_section import LoraSection
+    from meshrun.models.lora import apply_run_lora
+
     with torch.device("meta"):
-        return Transformer(_args(name))
+        model = Transformer(_args(name))
+    lora = LoraSection(rank=4 if name.startswith("lora") else 0)
+    return apply_run_lora(model, lora, LAYOUTS[name][1].get("dtype", "fp32"))
 
 
 def _layout(name: str):
@@ -148,8 +155,10 @@ def _real_rank(name: str, ckpt_dir: str):
     import torch.distributed.checkpoint as dcp
 
     from meshrun.checkpoint.state import TrainState, tensor_state
+    from meshrun.models.lora import has_adapters
 
-    dcp.save(tensor_state(TrainState(built.parts, optimizers, [], None)), checkpoint_id=ckpt_dir)
+    lora = any(has_adapters(part) for part in built.parts)  # as the trainer saves a LoRA run: the adapters
+    dcp.save(tensor_state(TrainState(built.parts, optimizers, [], None, adapters_only=lora)), checkpoint_id=ckpt_dir)
     return usage
 
 
@@ -303,6 +312,29 @@ def test_layouts_that_fail_only_at_size_are_refused_as_the_launch_refuses_them(t
     last = over.stderr.strip().splitlines()
     assert len(last) == 1 and last[0].startswith("meshrun plan: error: rank 0 of ddp: dp_replicate 2 (world 2) holds "), last
     assert "of weights, gradients and optimizer state" in last[0] and "more than the device's 1.0 MiB; shard more" in last[0], last[0]
+
+
+def test_a_lora_run_is_simulated_with_its_base_frozen(tmp_path):
+    """lora.rank > 0: the adapters alone have gradients and optimizer state, and a checkpoint
+    holds them alone (what the launch builds and saves)."""
+    import json
+
+    from conftest import EXAMPLES, meshrun
+
+    runs = {}
+    for rank in (0, 4):
+        result = meshrun("plan", str(EXAMPLES / "configs" / "tiny.toml"), "--simulate", "--json", "--world", "2",
+                         "--set", "parallel.strategy=fsdp", "--set", "parallel.dp_shard=2", "--set",
+                         f"lora.rank={rank}", timeout=120, cwd=tmp_path)
+        assert result.returncode == 0, result.output
+        runs[rank] = json.loads(result.stdout)["ranks"][0]
+    full, lora = runs[0], runs[4]
+    assert lora["params"] > full["params"] and 0 < lora["grads"] < full["grads"] / 10, (full, lora)
+    # AdamW's two moments of the adapters, and a step count each
+    assert 2 * lora["grads"] < lora["optim"] < 2 * lora["grads"] + 1024, lora
+    written = lora["checkpoint"]["expected"]  # the adapters and their state (the step counts: half, on 2 ranks)
+    assert lora["grads"] + lora["optim"] - 1024 < written <= lora["grads"] + lora["optim"], lora
+    assert written < full["checkpoint"]["expected"] / 10, (full, lora)
 
 
 def test_train_dry_run_is_the_simulation_of_the_launch_it_would_start(tmp_path):

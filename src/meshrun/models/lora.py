@@ -57,6 +57,14 @@ def apply_lora(model: nn.Module, lora_cfg, *, base_dtype: torch.dtype | None = N
     return model
 
 
+def apply_run_lora(model: nn.Module, lora_cfg, train_dtype: str) -> nn.Module:
+    """A run's model: with lora.rank > 0, `apply_lora`, the frozen base in bf16 for a bf16 run
+    (fp32 adapters); else `model` as it is."""
+    if not lora_cfg.enabled:
+        return model
+    return apply_lora(model, lora_cfg, base_dtype=torch.bfloat16 if train_dtype == "bf16" else None)
+
+
 def clean_name(name: str) -> str:
     """A parameter's name without wrapper prefixes (DDP's `module.`, checkpointing's, compile's)."""
     for wrapper in _WRAPPERS:

@@ -282,6 +282,14 @@ class PeakMemory:
                 if module is None or module in self.memory_tracking:
                     super()._post_bw_hook(module, args)
 
+            def _track_module_params_and_buffers(self, module, install_grad_hooks=True):  # noqa: ANN001, ANN202
+                # MemTracker hooks every parameter's gradient, and a frozen one (LoRA's base) refuses a
+                # hook: marked as hooked already, with handles that remove nothing.
+                for param in module.parameters():
+                    if not param.requires_grad:
+                        self._param_to_grad_hook_handles.setdefault(param, (_NO_HOOK, _NO_HOOK))
+                return super()._track_module_params_and_buffers(module, install_grad_hooks)
+
             def _update_peak_stats(self, peak_state) -> None:
                 # After every op MemTracker also walks every module it knows for the per-module peaks,
                 # which are not read here: 60% of a simulated 1B step (measured with cProfile). Only the
@@ -314,6 +322,16 @@ class PeakMemory:
                 name = "total" if key == "Total" else self.CATEGORIES.get(getattr(key, "value", str(key)), str(key))
                 peak[name] = peak.get(name, 0) + int(nbytes)
         self.peak = peak
+
+
+class _NoHook:
+    """A hook handle for a hook never registered (`PeakMemory`'s frozen parameters)."""
+
+    def remove(self) -> None:
+        pass
+
+
+_NO_HOOK = _NoHook()
 
 
 class _NoModuleHooks:

@@ -248,6 +248,7 @@ def rank_usage(built, optimizers: list[torch.optim.Optimizer], comms, groups: di
     import torch.distributed as dist
 
     from meshrun.checkpoint.state import TrainState, save_share
+    from meshrun.models.lora import has_adapters
     from meshrun.parallel.dims import MESH_AXES
     from meshrun.plan.measure import local_bytes
 
@@ -259,7 +260,9 @@ def rank_usage(built, optimizers: list[torch.optim.Optimizer], comms, groups: di
         coords = dict(zip(MESH_AXES, built.mesh.get_coordinate() or (), strict=False))
     uses = tuple(CollectiveUse(kind, groups.get(group, group or "?"), count, nbytes)
                  for (kind, group), (count, nbytes) in sorted(comms.records.items()))
-    share = save_share(TrainState(built.parts, optimizers, [], None), world_size=built.world_size, pp=built.pp)
+    adapters_only = any(has_adapters(part) for part in built.parts)  # LoRA: a checkpoint holds the adapters
+    share = save_share(TrainState(built.parts, optimizers, [], None, adapters_only=adapters_only),
+                       world_size=built.world_size, pp=built.pp)
     return RankSimulation(dist.get_rank() if dist.is_initialized() else 0, coords, local_bytes(params),
                           local_bytes(p for p in params if p.requires_grad), local_bytes(states), uses, dict(peak or {}),
                           {"own": share.own, "replicated": share.replicated, "expected": share.expected})
@@ -387,6 +390,7 @@ def simulate(cfg, world_size: int, *, vocab_size: int | None = None) -> Simulati
     and stepped once (`simulate_rank`). Refusals are the launch's, one line each."""
     from meshrun.models.factory import build_model
     from meshrun.models.from_config import model_args_from_config, model_shape_from_config
+    from meshrun.models.lora import apply_run_lora
     from meshrun.models.meta import on_meta
     from meshrun.parallel.resolve import ParallelOptions, resolve_layout
     from meshrun.train.optimizers import build_optimizer
@@ -409,7 +413,8 @@ def simulate(cfg, world_size: int, *, vocab_size: int | None = None) -> Simulati
 
     def model() -> nn.Module:
         with on_meta():
-            return build_model(cfg.model, vocab_size, seed=cfg.train.seed)
+            built = build_model(cfg.model, vocab_size, seed=cfg.train.seed)
+        return apply_run_lora(built, cfg.lora, cfg.train.dtype)  # lora.rank > 0: the base frozen, as the launch's
 
     # Each simulated rank is a fork of this process, and its FakeTensorMode imports torch._dynamo
     # (1.5-3 s here): imported once before the forks, every rank starts with it.

@@ -235,9 +235,9 @@ def _setup(cfg: JobConfig, env: DistEnv, run_dir: Path) -> _Run:
             load_consolidated(model, cfg.model.init_from)
         model = model.to(env.device)
     if cfg.lora.enabled:  # peft's LoRA layers, base frozen: before the layout shards anything
-        from meshrun.models.lora import apply_lora
+        from meshrun.models.lora import apply_run_lora
 
-        model = apply_lora(model, cfg.lora, base_dtype=torch.bfloat16 if tcfg.dtype == "bf16" else None)
+        model = apply_run_lora(model, cfg.lora, tcfg.dtype)
     seq_len = resolved_seq_len(cfg, model)
     vocab = getattr(getattr(model, "args", None), "vocab_size", None)
     num_params = sum(p.numel() for p in model.parameters())
