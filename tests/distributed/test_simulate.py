@@ -43,6 +43,7 @@ OPTIM = SimpleNamespace(name="adamw", lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, 
 LAYOUTS = {  # name -> (world, ParallelOptions keywords); batch_size: per data-parallel rank
     "fsdp2": (2, dict(strategy="fsdp", dp_shard=2)),
     "tp2_sp_loss_parallel": (2, dict(strategy="fsdp", dp_shard=1, tp=2, sequence_parallel=True, loss_parallel=True)),
+    "tp2_tied": (2, dict(strategy="fsdp", dp_shard=1, tp=2)),  # TIED_ARGS: the shared matrix stays replicated
     "fsdp2_ac_no_reshard_offload": (2, dict(strategy="fsdp", dp_shard=2, activation_checkpointing=True,
                                             fsdp_reshard_after_forward=False, fsdp_cpu_offload=True)),
     "ddp4": (4, dict(strategy="ddp")),
@@ -61,6 +62,8 @@ LAYOUTS = {  # name -> (world, ParallelOptions keywords); batch_size: per data-p
     "pp2_interleaved_1f1b_dp2_bf16": (4, dict(strategy="ddp", dp_replicate=2, pp=2, pp_schedule="interleaved_1f1b",
                                               pp_stages_per_rank=2, batch_size=4, dtype="bf16")),
     "pp2_gpipe_tp2_cp2": (8, dict(strategy="fsdp", dp_shard=1, pp=2, tp=2, cp=2, batch_size=4)),
+    "pp2_looped_bfs_fsdp2": (4, dict(strategy="fsdp", dp_shard=2, pp=2, pp_schedule="looped_bfs",
+                                     pp_stages_per_rank=2, batch_size=4)),
     "pp2_zero_bubble_tp2_grad_accum3": (4, dict(strategy="fsdp", dp_shard=1, pp=2, tp=2,
                                                 pp_schedule="interleaved_zero_bubble", batch_size=4, grad_accum=3)),
     # tiny-moe (MOE_ARGS): the experts over ep 2, FSDP-sharded over the 2 ranks holding the same ones
@@ -72,6 +75,7 @@ LAYOUTS = {  # name -> (world, ParallelOptions keywords); batch_size: per data-p
     "moe_ep2_tp2_sp": (4, dict(strategy="fsdp", dp_shard=2, ep=2, tp=2, sequence_parallel=True)),
     "moe_ep2_pp2": (4, dict(strategy="fsdp", dp_shard=2, ep=2, pp=2, batch_size=4)),
 }
+TIED_ARGS = ModelArgs(**{**ARGS.__dict__, "tie_embeddings": True})
 MOE_ARGS = ModelArgs(**{**size_spec("tiny-moe"), "vocab_size": 64, "max_seq_len": SEQ, "n_layers": 2})
 
 
@@ -88,7 +92,7 @@ PEAK_INEXACT = {"ddp4", "fsdp2_tp2_bf16",
 
 
 def _args(name: str) -> ModelArgs:
-    return MOE_ARGS if name.startswith("moe") else ARGS
+    return MOE_ARGS if name.startswith("moe") else TIED_ARGS if "tied" in name else ARGS
 
 
 def _model(name: str) -> Transformer:

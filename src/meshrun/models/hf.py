@@ -63,6 +63,7 @@ from meshrun.models.hf_parts import (
     _StageDone,
     _Stub,
 )
+from meshrun.models.meta import retie_output
 
 
 def build_hf_model(path: str, vocab_size: int | None = None, *, seed: int | None = None,
@@ -249,7 +250,7 @@ class HFCausalLM(nn.Module):
             key = name.replace("_checkpoint_wrapped_module.", "")
             if key in values and not buf.is_meta:
                 buf.copy_(local_like(values[key], buf))
-        self._retie()
+        retie_output(self)  # a meta build's `to_empty` untied them
         if self.weights_pending:
             for param in self.parameters():
                 if param.device.type != "meta":
@@ -264,13 +265,6 @@ class HFCausalLM(nn.Module):
             for pname, full in _hf_init(hf, module, (seed * 1_000_003 + zlib.crc32(name.encode())) % 2**63).items():
                 param = getattr(module, pname)
                 param.copy_(local_like(full, param))
-
-    def _retie(self) -> None:
-        """`to_empty` gives each module its own new Parameter, which unties a tied output
-        projection (measured on torch 2.13): point it back at the embedding's."""
-        if (self.args.tie_embeddings and self.output is not None and self.tok_embeddings is not None
-                and self.output.weight is not self.tok_embeddings.weight):
-            self.output.weight = self.tok_embeddings.weight
 
     def tp_block_plan(self, sequence_parallel: bool) -> dict:
         """The decoder layer's TP plan from the config's `base_model_tp_plan` (`layers.*.` cut off),

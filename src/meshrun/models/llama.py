@@ -30,6 +30,7 @@ from meshrun.models.args import (  # noqa: F401 - re-exported: the model's shape
     flops_per_token,
 )
 from meshrun.models.feed_forward import FeedForward
+from meshrun.models.meta import retie_output
 from meshrun.models.moe import MoE
 
 
@@ -216,11 +217,7 @@ class Transformer(nn.Module):
             seed = int(torch.randint(0, 2**62, (1,), device="cpu").item())
         if self.freqs_cos.device.type != "meta":
             self.reset_rope()
-        if (self.args.tie_embeddings and self.output is not None and self.tok_embeddings is not None
-                and self.output.weight is not self.tok_embeddings.weight):
-            # `to_empty` (a meta build) gives each module its own new Parameter, which silently
-            # unties the output projection from the embedding: point it back at the embedding's.
-            self.output.weight = self.tok_embeddings.weight
+        retie_output(self)  # a meta build's `to_empty` untied them
         std = 0.02
         if self.tok_embeddings is not None:
             _init("tok_embeddings.weight", self.tok_embeddings.weight, seed, std)

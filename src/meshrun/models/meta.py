@@ -47,3 +47,13 @@ def on_meta() -> Iterator[None]:
 
     with torch.device("meta"), _SkipFills():
         yield
+
+
+def retie_output(model) -> None:  # noqa: ANN001 - a built-in or model.hf decoder
+    """Point a tied output projection back at the embedding's weight: `to_empty` (storage for a
+    meta build, real or fake) gives each module its own new Parameter, which unties them (torch
+    2.13). A model without a tied head is left as it is."""
+    output, embedding = getattr(model, "output", None), getattr(model, "tok_embeddings", None)
+    if (getattr(getattr(model, "args", None), "tie_embeddings", False) and output is not None
+            and embedding is not None and output.weight is not embedding.weight):
+        output.weight = embedding.weight
