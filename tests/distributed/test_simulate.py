@@ -14,7 +14,8 @@ collectives again for the rest. Pipelines (1F1B, interleaved 1F1B, zero bubble, 
 are measured in their second step, in the real launch as in the simulation: the schedule's first
 infers the stages' shapes; their sends and receives are in the inventory. tiny-moe's experts over
 ep (within fsdp, beside tp, inside pp stages): the simulation routes evenly, and so does the real
-launch's router here (_balanced_routes). Every other real rank
+launch's router here (_balanced_routes); a model.hf Qwen2-MoE the same way. LoRA, a tied head, CPU
+offload, loss parallel, cp 4 and cp x tp too. Every other real rank
 must hold and send what one of the representatives does: the report covers every rank. Through
 the CLI: `meshrun plan --simulate` of tiny (an uneven 259-token vocabulary) under FSDP 4 x TP 2 on
 8 ranks, its --json, and a pipeline layout with its projected bubble.
@@ -72,6 +73,10 @@ LAYOUTS = {  # name -> (world, ParallelOptions keywords); batch_size: per data-p
     # LoRA (rank 4 on the attention and MLP projections, the base frozen): a checkpoint holds the adapters
     "lora_fsdp2_bf16": (2, dict(strategy="fsdp", dp_shard=2, dtype="bf16")),
     "moe_ep2_fsdp4": (4, dict(strategy="fsdp", dp_shard=4, ep=2)),
+    # a model.hf mixture of experts (tests/hf_zoo.py's Qwen2-MoE: 4 experts, top 2, a gated shared
+    # expert), transformers' experts computing through meshrun's ep routing; bf16: torch's fake
+    # grouped GEMM, what transformers' experts run on CPU, takes bf16 only
+    "hf_qwen2_moe_ep2_fsdp4_bf16": (4, dict(strategy="fsdp", dp_shard=4, ep=2, dtype="bf16")),
     "moe_ep2_tp2_sp": (4, dict(strategy="fsdp", dp_shard=2, ep=2, tp=2, sequence_parallel=True)),
     "moe_ep2_pp2": (4, dict(strategy="fsdp", dp_shard=2, ep=2, pp=2, batch_size=4)),
 }
@@ -87,7 +92,8 @@ PEAK_TOL = 0.10  # the bar: the simulated peak within 10% of the real one
 # when the peer receives (two real ranks of one stage differed by 1.0%; the simulation: 16 bytes).
 # Context parallel: its ring exchanges key/value blocks point to point as well, and a real rank's
 # peak moved by up to 0.5% between two launches of cp 4 (the simulation's: the same every time).
-PEAK_INEXACT = {"ddp4", "fsdp2_tp2_bf16",
+# transformers' experts (Qwen2-MoE, bf16): +1.2%, in activations (the bytes and collectives equal).
+PEAK_INEXACT = {"ddp4", "fsdp2_tp2_bf16", "hf_qwen2_moe_ep2_fsdp4_bf16",
                 *(name for name in LAYOUTS if {"pp2", "cp2", "cp4"} & set(name.split("_")))}
 
 
@@ -95,35 +101,57 @@ def _args(name: str) -> ModelArgs:
     return MOE_ARGS if name.startswith("moe") else TIED_ARGS if "tied" in name else ARGS
 
 
-def _model(name: str) -> Transformer:
+def _model(name: str, hf_dir: str = "") -> torch.nn.Module:
     from meshrun.config.lora_section import LoraSection
+    from meshrun.models.hf import build_hf_model
     from meshrun.models.lora import apply_run_lora
+    from meshrun.models.meta import on_meta
 
+    if name.startswith("hf_"):
+        with on_meta():
+            return build_hf_model(hf_dir, seed=0)
     with torch.device("meta"):
         model = Transformer(_args(name))
     lora = LoraSection(rank=4 if name.startswith("lora") else 0)
     return apply_run_lora(model, lora, LAYOUTS[name][1].get("dtype", "fp32"))
 
 
-def _layout(name: str):
+def _layout(name: str, hf_dir: str = ""):
     world, options = LAYOUTS[name]
-    return resolve_layout(ParallelOptions(**{"batch_size": 2, **options}, seq_len=SEQ), world,
-                          ModelShape.from_args(_args(name)))
+    shape = ModelShape.from_model(_model(name, hf_dir)) if hf_dir else ModelShape.from_args(_args(name))
+    return resolve_layout(ParallelOptions(**{"batch_size": 2, **options}, seq_len=SEQ), world, shape)
+
+
+def _hf_dir(name: str, tmp_path) -> str:  # noqa: ANN001 - a Path
+    """The model.hf directory of an hf_ layout, saved into `tmp_path`; '' for the others."""
+    if not name.startswith("hf_"):
+        return ""
+    import hf_zoo
+
+    return str(hf_zoo.save_tiny(tmp_path / "hf", "qwen2_moe" if "qwen2_moe" in name else name.split("_")[1]))
 
 
 def _balanced_routes(model: torch.nn.Module) -> None:
     """Every MoE router of `model` sends token t's j-th choice to expert (t k + j) mod experts: each
     expert gets the same number of tokens, the route the simulation assumes (it has no values)."""
     from meshrun.models.moe import MoE
+    from meshrun.parallel.expert_parallel import hf_routed
 
     def even(module, inputs, output):  # noqa: ANN001, ANN202 - a forward hook
         weights, indices, scores = output
         slots = torch.arange(indices.numel(), device=indices.device).view_as(indices)
         return weights, slots % scores.shape[-1], scores
 
+    def even_hf(module, inputs):  # noqa: ANN001, ANN202 - transformers' experts: (hidden, top-k ids, weights)
+        hidden, indices, weights = inputs
+        slots = torch.arange(indices.numel(), device=indices.device).view_as(indices)
+        return hidden, slots % module.num_experts, weights
+
     for module in model.modules():
         if isinstance(module, MoE):
             module.router.register_forward_hook(even)
+        elif hf_routed(module):
+            module.register_forward_pre_hook(even_hf)
 
 
 def _optimizer(part):
@@ -132,7 +160,7 @@ def _optimizer(part):
     return build_optimizer(part, OPTIM)
 
 
-def _real_rank(name: str, ckpt_dir: str):
+def _real_rank(name: str, ckpt_dir: str, hf_dir: str = ""):
     """One layout's step on this rank of a real gloo launch: what `simulate_rank` must find; then
     a real checkpoint save of it into `ckpt_dir` (DCP: one file per rank, `__<rank>_0.distcp`)."""
     from meshrun.parallel.layout import build_layout
@@ -141,8 +169,8 @@ def _real_rank(name: str, ckpt_dir: str):
     from meshrun.train.simulate_pipeline import module_hooks_allowed
     from meshrun.train.step import layout_step
 
-    layout = _layout(name)
-    model = _model(name)
+    layout = _layout(name, hf_dir)
+    model = _model(name, hf_dir)
     _balanced_routes(model)
     built = build_layout(model, layout, device=torch.device("cpu"), seed=0)
     optimizers = [_optimizer(part) for part in built.parts]
@@ -192,16 +220,17 @@ def test_every_simulated_rank_holds_and_sends_what_the_real_rank_does(name, tmp_
     from meshrun.testing.harness import _context
     from meshrun.train.simulate import representative_ranks, simulate_rank_isolated
 
-    layout = _layout(name)
+    hf_dir = _hf_dir(name, tmp_path)
+    layout = _layout(name, hf_dir)
     # a launch of its own: a process that built other layouts before may skip a collective a fresh
     # one issues (measured: TP's first output all-gather), and a simulated rank is a fresh world
-    real = run_distributed(_real_rank, world_size=layout.world_size, args=(name, str(tmp_path)), timeout=180,
+    real = run_distributed(_real_rank, world_size=layout.world_size, args=(name, str(tmp_path), hf_dir), timeout=180,
                            env={"OMP_NUM_THREADS": "1"})
     chosen = representative_ranks(layout)
     peaks = {}
     for rank in chosen:
         # a child of the harness's forkserver: a clean torch, as a rank of a real launch has
-        sim = simulate_rank_isolated(functools.partial(_model, name), layout, rank, build_optimizer=_optimizer, seq_len=SEQ,
+        sim = simulate_rank_isolated(functools.partial(_model, name, hf_dir), layout, rank, build_optimizer=_optimizer, seq_len=SEQ,
                                      dtype=layout.options.dtype, grad_accum=layout.options.grad_accum,
                                      context=_context())
         got = real[rank]
