@@ -9,6 +9,8 @@ checkpointing set as the published run had them, and the projected tokens/s per 
 beside the published figure with their ratio. Sources (torchtitan, read 2026-12):
 - benchmarks/llama3_h100_202412_torchtitan.md (Grand Teton H100s, 96 GB HBM2e at 500 W; 400 Gb/s
   per GPU between hosts), Tables 1, 3 and 4;
+- benchmarks/asyncTP_llama3_h100_2025-06_torchtitan.md (the same hosts): FSDP x TP 8 in bf16 with
+  vanilla (not async) TP, the TP meshrun runs, and torch.compile;
 - docs/performance.md, "Llama 3 performance numbers" (64 A100 80GB).
 Where the published run used what meshrun does not model (torch.compile, float8 linears, selective
 activation checkpointing), the row says so: the projection is eager bf16 with full activation
@@ -42,6 +44,14 @@ ROWS = [
      "torchtitan H100 2024-12, Table 4 (2D)", "float8 linears and torch.compile (the projection: bf16, eager)",
      ["--nnodes", "32", "--nproc-per-node", "8", "--device", "h100", "--set", "model.name=70b",
       "--set", "parallel.tp=8", "--set", "parallel.sequence_parallel=true", "--set", "train.batch_size=16"]),
+    ("Llama 3.1 70B, FSDP 32 x TP 8, 256 x H100, local batch 16, bf16, vanilla TP", 597,
+     "torchtitan asyncTP H100 2025-06 (bf16, vanilla TP: 597.3)", "torch.compile (full AC, as the projection)",
+     ["--nnodes", "32", "--nproc-per-node", "8", "--device", "h100", "--set", "model.name=70b",
+      "--set", "parallel.tp=8", "--set", "parallel.sequence_parallel=true", "--set", "train.batch_size=16"]),
+    ("Llama 3.1 8B, FSDP 8 x TP 8, 64 x H100, local batch 12, bf16, vanilla TP", 4378,
+     "torchtitan asyncTP H100 2025-06 (bf16, vanilla TP)", "torch.compile, per-op selective AC",
+     ["--nnodes", "8", "--nproc-per-node", "8", "--device", "h100", "--set", "parallel.tp=8",
+      "--set", "parallel.sequence_parallel=true", "--set", "train.batch_size=12"]),
     ("Llama 3 8B, FSDP 64, 64 x A100, local batch 1, seq 8192", 2876, "torchtitan docs/performance.md",
      "selective AC",
      ["--nnodes", "8", "--nproc-per-node", "8", "--device", "a100", "--set", "train.batch_size=1"]),

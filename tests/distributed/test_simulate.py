@@ -370,6 +370,18 @@ def test_a_lora_run_is_simulated_with_its_base_frozen(tmp_path):
     assert written < full["checkpoint"]["expected"] / 10, (full, lora)
 
 
+def test_a_compiled_run_is_simulated_eager_and_says_so(tmp_path):
+    import json
+
+    from conftest import EXAMPLES, meshrun
+
+    result = meshrun("plan", str(EXAMPLES / "configs" / "tiny.toml"), "--simulate", "--json", "--world", "2",
+                     "--set", "parallel.strategy=fsdp", "--set", "parallel.dp_shard=2", "--set", "train.compile=true",
+                     timeout=120, cwd=tmp_path)
+    assert result.returncode == 0, result.output
+    assert "train.compile=true: the step is simulated eager" in json.loads(result.stdout)["note"], result.stdout
+
+
 def test_train_dry_run_is_the_simulation_of_the_launch_it_would_start(tmp_path):
     """`meshrun train CONFIG --dry-run` with the launch's flags: `meshrun plan --simulate` at that
     world, the same report; nothing launched, no run directory. Its projection flags need --dry-run."""

@@ -407,6 +407,9 @@ def simulate(cfg, world_size: int, *, vocab_size: int | None = None) -> Simulati
             vocab_size = model_args_from_config(cfg.model).vocab_size
             note = (f"data.tokenizer={cfg.data.tokenizer!r} is not readable here: the model's own vocabulary "
                     f"({vocab_size}) is simulated")
+    if cfg.train.compile:  # fake tensors run eager; inductor's fused kernels would change the activations
+        note = "; ".join(filter(None, [note, "train.compile=true: the step is simulated eager (uncompiled); a "
+                                             "compiled step usually holds fewer activations"]))
     shape = (model_shape_from_config(cfg.model, model_args_from_config(cfg.model, vocab_size))
              if not cfg.model.factory else None)
     layout = resolve_layout(ParallelOptions.from_config(cfg), world_size, shape)
