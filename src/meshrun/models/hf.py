@@ -236,6 +236,10 @@ class HFCausalLM(nn.Module):
         except _StageDone as done:  # the stage's last layer ran (`_Leave`)
             return done.hidden
 
+    def retie(self) -> None:
+        """A tied head tied again after `to_empty` (what a fake build does instead of init_weights)."""
+        retie_output(self)
+
     @torch.no_grad()
     def init_weights(self, seed: int | None = None) -> None:
         """Deterministic init, the same in every layout: the buffers get the values computed at

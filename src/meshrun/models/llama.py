@@ -197,6 +197,10 @@ class Transformer(nn.Module):
             self.reset_rope()
         return self
 
+    def retie(self) -> None:
+        """A tied head tied again after `to_empty` (what a fake build does instead of init_weights)."""
+        retie_output(self)
+
     @torch.no_grad()
     def init_weights(self, seed: int | None = None) -> None:
         """Deterministic init; the same seed gives the same weights in every process and layout.

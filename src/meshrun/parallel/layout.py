@@ -23,7 +23,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from meshrun.models.meta import retie_output
 from meshrun.parallel.compile import apply_compile, layout_allows
 from meshrun.parallel.context import ContextParallel
 from meshrun.parallel.context import check_model as check_cp_model
@@ -154,7 +153,8 @@ def materialize(module: nn.Module, device: torch.device, seed: int | None, *, fa
     if fake_mode is not None:
         with fake_mode:
             module.to_empty(device=device)
-        retie_output(inner)  # what init_weights does first: a tied head counted once, as in a launch
+        if hasattr(inner, "retie"):  # what init_weights does first: a tied head counted once, as in a launch
+            inner.retie()
         return
     module.to_empty(device=device)
     inner.init_weights(seed)
