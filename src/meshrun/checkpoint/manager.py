@@ -28,7 +28,6 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 from meshrun.checkpoint import manifest as mf
 from meshrun.checkpoint import safe_load, selection
@@ -37,6 +36,7 @@ from meshrun.checkpoint.preemption import Preempted, PreemptionSignals, write_ma
 from meshrun.checkpoint.retire import retire
 from meshrun.checkpoint.samples import SampleLog
 from meshrun.checkpoint.snapshot import Snapshots
+from meshrun.checkpoint.staging import OwnedStager
 from meshrun.checkpoint.state import (
     TrainState,
     apply_tensor_state,
@@ -211,12 +211,10 @@ class Checkpointer:
                 # DCP's collectives run in a background thread: give them their own group, never
                 # interleaved with the training's collectives on the default one.
                 self._async_group = dist.new_group(backend="gloo")
-            if self._stager is None:  # kept across saves: its CPU copies are reused, only memcpy blocks
-                self._stager = DefaultStager(StagingOptions(use_pinned_memory=torch.cuda.is_available(),
-                                                            use_shared_memory=False, use_async_staging=False,
-                                                            use_non_blocking_copy=False))
+            if self._stager is None:  # kept across saves: its copies are reused, only memcpy blocks
+                self._stager = OwnedStager(self._async_group, pin_memory=torch.cuda.is_available())
             future = dcp.async_save(tensors, checkpoint_id=str(tmp), process_group=self._async_group,
-                                    async_stager=self._stager)
+                                    async_stager=self._stager, planner=self._stager.planner())
             self._pending = (getattr(future, "upload_completion", future), tmp, state.step, needed)
 
     def _poll(self) -> None:
