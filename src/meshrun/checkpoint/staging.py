@@ -4,8 +4,8 @@ The part of `dcp.async_save` that blocks the loop is the copy of the state into 
 DCP's DefaultStager copies all of every rank's state, though its planner then leaves each
 replicated tensor to one rank (`dedup_save_plans`): under DDP each of N ranks writes 1/N of it,
 and copied N/N. `OwnedStager` learns the assignment from DCP itself, once, in the call: the
-DefaultSavePlanner's local plans of the live state, gathered on the save's group (the exchange
-DCP's own save makes), and `create_global_plan`'s dedup run on every rank. It then copies only
+DefaultSavePlanner's local plans of the live state, gathered on the save's coordinator as DCP's
+own save gathers them, `create_global_plan`'s dedup run there, each rank's part sent back. It then copies only
 the tensors this rank writes, into buffers kept across saves (pinned when CUDA is there).
 `OwnedPlanner` makes the background save write exactly those: its local plan leaves out the
 tensors assigned to another rank, so the coordinator's dedup has nothing left to decide and the
@@ -96,10 +96,16 @@ class OwnedStager:
         rank = dist.get_rank(self._group)
         planner.set_up_planner(state_dict, is_coordinator=rank == 0)
         local = planner.create_local_plan()
-        plans = [None] * dist.get_world_size(self._group)
-        dist.all_gather_object(plans, local, group=self._group)
-        global_plans, _ = planner.create_global_plan(plans)
-        mine = {item.index for item in global_plans[rank].items}
+        # DCP's own exchange: the plans to the coordinator, each rank's part of its dedup back
+        plans = [None] * dist.get_world_size(self._group) if rank == 0 else None
+        dist.gather_object(local, plans, group=self._group, group_dst=0)
+        shares = None
+        if rank == 0:
+            global_plans, _ = planner.create_global_plan(plans)
+            shares = [[item.index for item in plan.items] for plan in global_plans]
+        box = [None]
+        dist.scatter_object_list(box, shares, group=self._group, group_src=0)
+        mine = set(box[0])
         theirs = {item.index for item in local.items
                   if item.type != WriteItemType.BYTE_IO and item.index not in mine}
         paths = {planner.mappings.get(index.fqn) for index in theirs}
