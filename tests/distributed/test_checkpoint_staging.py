@@ -20,6 +20,7 @@ def _state(rank: int, extra: bool) -> dict:
     optim = {"state": {f"layer{i}.weight": {"step": torch.tensor(3.0), "exp_avg": torch.randn(64, 64)}
                        for i in range(6)},
              "param_groups": [{"lr": 1e-3, "betas": (0.9, 0.95), "params": [f"layer{i}.weight" for i in range(6)]}]}
+    model["head.transposed"] = torch.randn(4, 3).t()  # a view that is not contiguous
     state = {"model": model, "optim": optim}
     if extra:  # a tensor only this rank holds: the assignment is learned again
         state["model"][f"only_on_rank{rank}"] = torch.full((8,), float(rank))

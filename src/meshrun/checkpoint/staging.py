@@ -123,8 +123,9 @@ class OwnedStager:
             return self._subclass_stager.stage(tensor)
         buffer = self._buffers.get(path)
         if buffer is None:
-            buffer = self._buffers[path] = torch.empty_strided(
-                tensor.size(), tensor.stride(), dtype=tensor.dtype, device="cpu", pin_memory=self._pin)
+            # contiguous, whatever the source's strides (an expanded view included): DCP writes values
+            buffer = self._buffers[path] = torch.empty(tensor.size(), dtype=tensor.dtype, device="cpu",
+                                                       pin_memory=self._pin)
         buffer.copy_(tensor)
         return buffer
 

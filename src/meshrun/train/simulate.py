@@ -26,9 +26,11 @@ probe of the first stage gives) and measures the second, as a real run's steady 
 schedule as torch runs it, its sends and receives counted. The zero-bubble schedules are
 measured without MemTracker's module hooks (`PeakMemory(module_hooks=False)`).
 
-Representative ranks: shapes differ only by pipeline stage and by the last shard of an uneven
-split, so each stage is simulated at its first rank and at the rank with the last dp_shard, cp
-and tp coordinates (the same rank when they coincide). Gradients are counted as one per
+Representative ranks: each stage is simulated at its first rank and at the rank with the last
+dp_shard, cp and tp coordinates (the same rank when they coincide). Shards are torch.chunk's,
+never larger than the first, so the first rank holds the most of its stage; the last rank holds
+the last shard of an uneven split. A rank in between can hold a third size (5 rows over 4 ranks:
+2, 2, 1, 0), never more than the first's. Gradients are counted as one per
 trainable parameter's local shard (what FSDP/DDP hold during a step); optimizer bytes are the
 state the step created.
 """
