@@ -14,7 +14,7 @@ from meshrun.checkpoint.staging import OwnedStager
 from meshrun.testing import run_distributed
 
 
-def _state(rank: int, extra: bool) -> dict:
+def _state(rank: int, extra: bool, late: bool = False) -> dict:
     torch.manual_seed(0)  # replicated: the same values on every rank, as under DDP
     model = {f"layer{i}.weight": torch.randn(64, 64) for i in range(6)}
     optim = {"state": {f"layer{i}.weight": {"step": torch.tensor(3.0), "exp_avg": torch.randn(64, 64)}
@@ -24,6 +24,8 @@ def _state(rank: int, extra: bool) -> dict:
     state = {"model": model, "optim": optim}
     if extra:  # a tensor only this rank holds: the assignment is learned again
         state["model"][f"only_on_rank{rank}"] = torch.full((8,), float(rank))
+    if late and rank == 1:  # a change on one rank only: the other must learn again with it, not hang
+        state["model"]["late_on_rank1"] = torch.full((16,), 7.0)
     return state
 
 
@@ -69,11 +71,12 @@ def staged_and_written(workdir: str) -> dict:
     group = dist.new_group(backend="gloo")
     stager = OwnedStager(group)
     out = {}
-    for name, extra in (("plain", False), ("extra", True)):  # the second changes shape on both ranks
-        state = _state(rank, extra)
+    # the second changes shape on both ranks, the third on rank 1 only
+    for name, extra, late in (("plain", False, False), ("extra", True, False), ("late", True, True)):
+        state = _state(rank, extra, late)
         path = os.path.join(workdir, name)
         expected, staged = _save_then_mutate(stager, state, path)
-        loaded = _load(_state(rank, extra), path)
+        loaded = _load(_state(rank, extra, late), path)
         out[name] = {"equal": all(torch.equal(_flat(loaded)[k], v) for k, v in expected.items()),
                      "staged": staged, "total": sum(v.numel() * v.element_size() for v in expected.values()),
                      "lr": loaded["optim"]["param_groups"][0]["lr"]}
@@ -90,7 +93,7 @@ def staged_and_written(workdir: str) -> dict:
 def test_each_rank_stages_its_share_and_the_checkpoint_is_the_state_at_the_call(tmp_path):
     results = run_distributed(staged_and_written, world_size=2, args=(str(tmp_path),), timeout=120)
     for rank, out in enumerate(results):
-        for name in ("plain", "extra", "dtensor"):
+        for name in ("plain", "extra", "late", "dtensor"):
             assert out[name]["equal"], (rank, name)  # the values at the call, not after the change
         assert out["plain"]["lr"] == 1e-3
         # about half of the replicated state each (DCP's dedup balances bytes), never all of it

@@ -35,8 +35,6 @@ class OwnedStager:
     """An `AsyncStager` for `dcp.async_save` that copies only this rank's share; pair it with
     `planner()` in the same call. Not thread-safe: one save at a time (the Checkpointer's rule)."""
 
-    _synchronize_after_execute = False
-
     def __init__(self, group=None, *, pin_memory: bool = False):
         self._group = group
         self._pin = pin_memory
