@@ -13,8 +13,19 @@ stdout and stderr to files the client reads afterwards), `sys.argv` and `__main_
 script has them, `meshrun.cli.run()`, and an exit status the client reads as Popen would (a signal
 is negative). The server's only thread runs the loop below; it imports what a `meshrun train`
 launcher imports before it forks its workers' server (meshrun.launch.preload), so that fork is
-safe and cheap. The client waits with a deadline and, past it, kills the command's whole tree by
+safe and cheap, then freezes what it holds out of the garbage collector's reach (gc.freeze), so
+that a command's collections and quick_exit's walk over the objects skip them (about 0.1 CPU-s a
+command; the command's sys.stdout and sys.stderr, frozen too, are flushed before that walk). The client waits with a deadline and, past it, kills the command's whole tree by
 pid. The server exits within a second of the pytest process that started it.
+
+A second mode, for commands a shell runs (the docs test): the client passes its own descriptors
+0, 1 and 2 over the socket (SCM_RIGHTS) and the command gets them as its stdin, stdout and stderr,
+so its output streams to the shell's pipe in order. `python -I -S warm_cli.py client SOCKET SCRIPT
+ARGS...` is that client: standard library only (about 20 ms of CPU, not 2 s), it forwards the
+signals a shell or a kill sends it to the command, and exits as the command did (a signal: the
+same signal). The server refuses such a request ("cold") when its environment differs from the
+server's own start environment in a variable that could change an import, or SCRIPT is not the
+venv's `meshrun`; then, and when no server answers, the client execs SCRIPT itself.
 
 Server: `python warm_cli.py SOCKET` (one per pytest process, started at its first warm command).
 """
@@ -28,7 +39,6 @@ import signal
 import socket
 import sys
 import time
-from pathlib import Path
 
 # An environment that differs from the server's in one of these may change what an import did
 # (threads, logging, caches, the search path): such a command runs as a new process.
@@ -53,9 +63,11 @@ def import_sensitive_change(server_env: dict[str, str], env: dict[str, str],
 # --- the server ----------------------------------------------------------------------------------
 
 def _serve(path: str) -> None:
+    start_env = dict(os.environ)  # what an fd-mode request's environment is compared with
     parent = os.getppid()  # the pytest process: the loop ends when it does (PR_SET_PDEATHSIG would
     # fire when the *thread* that started this server ends: a test's thread may start it)
-    sys.path[0] = str(Path(sys.executable).parent)  # as the console script has it: not tests/
+    sys.path[0] = os.path.dirname(sys.executable)  # as the console script has it: not tests/
+    script = os.path.realpath(os.path.join(sys.path[0], "meshrun"))
     import importlib
 
     import meshrun.cli
@@ -64,6 +76,9 @@ def _serve(path: str) -> None:
     for name in PRELOAD_MODULES:
         importlib.import_module(name)
     del meshrun
+    import gc
+
+    gc.freeze()  # what a command's collections (and quick_exit's walk over every object) skip: ~0.1 CPU-s each
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_w, False)
     signal.signal(signal.SIGCHLD, lambda *_: None)
@@ -80,7 +95,7 @@ def _serve(path: str) -> None:
         if wake_r in ready:
             os.read(wake_r, 512)
         for pid, conn in list(waiting.items()):
-            if conn in ready and not conn.recv(1):  # its client left before it ended: stop its tree, as kill_tree would
+            if conn in ready and _gone(conn):  # its client left before it ended: stop its tree, as kill_tree would
                 from meshrun.testing.processes import kill_tree
 
                 kill_tree(pid)
@@ -100,12 +115,63 @@ def _serve(path: str) -> None:
                 conn.close()
         if listener in ready:
             conn, _ = listener.accept()
-            request = json.loads(_read_line(conn))
+            try:
+                request, fds = _read_request(conn)
+            except (OSError, EOFError, ValueError):  # a client that left (or was killed) while sending
+                conn.close()
+                continue
+            if request.get("mode") == "fds" and _refuse(request, fds, start_env, script):
+                _close(fds)
+                try:
+                    conn.sendall(b"cold\n")
+                except OSError:
+                    pass
+                conn.close()
+                continue
             pid = os.fork()
             if pid == 0:
-                _child(request, [listener, conn, *waiting.values()], (wake_r, wake_w))
-            conn.sendall(f"{pid}\n".encode())
+                _child(request, fds, [listener, conn, *waiting.values()], (wake_r, wake_w))
+            _close(fds)  # the command holds them now (else the shell's pipe would stay open here)
+            try:
+                conn.sendall(f"{pid}\n".encode())
+            except OSError:  # the client left: the loop sees its connection closed and stops the command
+                pass
             waiting[pid] = conn
+
+
+def _gone(conn: socket.socket) -> bool:
+    try:
+        return not conn.recv(1)
+    except OSError:  # reset: a client killed with an answer unread
+        return True
+
+
+def _close(fds: list[int]) -> None:
+    for fd in fds:
+        os.close(fd)
+
+
+def _read_request(conn: socket.socket) -> tuple[dict, list[int]]:
+    """The request line and the descriptors sent with its first bytes (fd mode: the client's 0, 1, 2)."""
+    data, fds, _, _ = socket.recv_fds(conn, 65536, 3)
+    if not data:
+        _close(fds)
+        raise EOFError("client closed the connection")
+    if not data.endswith(b"\n"):
+        try:
+            data += _read_line(conn).encode()
+        except BaseException:
+            _close(fds)
+            raise
+    return json.loads(data), fds
+
+
+def _refuse(request: dict, fds: list[int], start_env: dict[str, str], script: str) -> bool:
+    """An fd-mode request runs cold unless it brought three descriptors, names the venv's `meshrun`
+    and its environment could not change an import this server did (the client's own check in file mode)."""
+    imported = frozenset(m for m in SENSITIVE_IF_IMPORTED.values() if m in sys.modules)
+    return (len(fds) != 3 or os.path.realpath(request["argv"][0]) != script
+            or import_sensitive_change(start_env, request["env"], imported) is not None)
 
 
 def _read_line(conn: socket.socket) -> str:
@@ -118,12 +184,16 @@ def _read_line(conn: socket.socket) -> str:
     return data.decode()
 
 
-def _child(request: dict, sockets: list[socket.socket], pipe: tuple[int, int]) -> None:
+def _child(request: dict, fds: list[int], sockets: list[socket.socket], pipe: tuple[int, int]) -> None:
     """In the forked process: become the console script's process, run the command, exit with its code."""
     code = 1
     try:
         signal.set_wakeup_fd(-1)
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        for signum in request.get("ignored", []):  # as a shell leaves them (`cmd &`: SIGINT, SIGQUIT), inherited
+            signal.signal(signum, signal.SIG_IGN)
+        if "umask" in request:
+            os.umask(request["umask"])
         for s in sockets:
             s.close()
         for fd in pipe:
@@ -136,12 +206,30 @@ def _child(request: dict, sockets: list[socket.socket], pipe: tuple[int, int]) -
         import types
 
         tempfile.tempdir = None  # TMPDIR is read again
-        null = os.open(os.devnull, os.O_RDONLY)
-        out = os.open(request["stdout"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        err = os.open(request["stderr"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        for fd, target in ((null, 0), (out, 1), (err, 2)):
+        if request.get("mode") == "fds":  # the client's own stdin, stdout and stderr
+            std = fds
+        else:
+            std = [os.open(os.devnull, os.O_RDONLY),
+                   os.open(request["stdout"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600),
+                   os.open(request["stderr"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)]
+        for target, fd in enumerate(std):
             os.dup2(fd, target)
-            os.close(fd)
+        _close(std)
+        # as a new interpreter sets up this stdout (-u / PYTHONUNBUFFERED: written through, no line buffering)
+        sys.stdout.reconfigure(line_buffering=os.isatty(1) and not sys.stdout.write_through)
+        import meshrun.cli
+
+        rest = meshrun.cli._flush_open_files  # it finds files through the gc: not the server's (frozen)
+
+        def flush_open_files() -> None:
+            for stream in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__):
+                try:
+                    stream.flush()
+                except Exception:
+                    pass
+            rest()
+
+        meshrun.cli._flush_open_files = flush_open_files
         script = request["argv"][0]
         main = types.ModuleType("__main__")
         main.__file__ = script  # what multiprocessing's spawn would re-import, as for the console script
@@ -178,7 +266,7 @@ def _child(request: dict, sockets: list[socket.socket], pipe: tuple[int, int]) -
 class WarmServer:
     """One server per pytest process, started at its first command."""
 
-    def __init__(self, env: dict[str, str], workdir: Path) -> None:
+    def __init__(self, env: dict[str, str], workdir) -> None:  # workdir: a pathlib.Path (not imported here: the client)
         import subprocess
 
         self.env = dict(env)
@@ -244,5 +332,73 @@ class WarmServer:
         self.proc.wait()
 
 
+# --- the thin client (a shell's `meshrun`: standard library only) ------------------------------
+
+FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
+
+
+def client(path: str, script: str, args: list[str]) -> None:
+    """Run `script args...` in the server at `path` on this process's descriptors 0, 1, 2 and exit as
+    it exits; where the server refuses or cannot be reached (or `path` is empty), exec `script`."""
+    argv = [script, *args]
+    ignored = [s for s in FORWARDED if signal.getsignal(s) == signal.SIG_IGN]
+    state: dict = {"pid": None, "pending": []}
+
+    def forward(signum: int, _frame) -> None:
+        if state["pid"] is None:
+            state["pending"].append(signum)
+            return
+        try:
+            os.kill(state["pid"], signum)
+        except ProcessLookupError:
+            pass
+
+    for signum in FORWARDED:
+        if signum not in ignored:
+            signal.signal(signum, forward)
+    try:
+        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        conn.connect(path)
+        umask = os.umask(0)
+        os.umask(umask)
+        line = (json.dumps({"mode": "fds", "argv": argv, "env": dict(os.environ), "cwd": os.getcwd(),
+                            "ignored": ignored, "umask": umask}) + "\n").encode()
+        sent = socket.send_fds(conn, [line], [0, 1, 2])
+        conn.sendall(line[sent:])
+        reader = conn.makefile("rb")
+        answer = reader.readline().strip()
+    except (OSError, ValueError):  # no server (or no path), a closed descriptor, a cwd removed
+        answer = b""
+    if not answer.isdigit():  # "cold", or nothing: the console script itself, with this argv
+        for signum in (*FORWARDED, signal.SIGPIPE, signal.SIGXFSZ):
+            signal.signal(signum, signal.SIG_IGN if signum in ignored else signal.SIG_DFL)
+        for signum in state["pending"]:  # a signal before anything ran ends this process as it would have
+            os.kill(os.getpid(), signum)
+        os.execv(script, argv)
+    state["pid"] = int(answer)
+    for signum in state["pending"]:
+        forward(signum, None)
+    try:
+        line = reader.readline()
+    except OSError:
+        line = b""
+    if not line.strip():
+        os.write(2, f"meshrun (warm client): the server left before pid {state['pid']} ended\n".encode())
+        os._exit(1)
+    code = int(line)
+    if code < 0:  # killed by a signal: the same end here, as the shell would see the console script's
+        import resource
+
+        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+        if -code != signal.SIGKILL:
+            signal.signal(-code, signal.SIG_DFL)
+        os.kill(os.getpid(), -code)
+        code = 128 - code
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    _serve(sys.argv[1])
+    if sys.argv[1] == "client":
+        client(sys.argv[2], sys.argv[3], sys.argv[4:])
+    else:
+        _serve(sys.argv[1])

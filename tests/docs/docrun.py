@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -38,12 +39,25 @@ STEPS_CAP = 2
 PRELUDE = f"""set -e
 meshrun() {{
   if [ "$1" = train ] && ! printf '%s\\n' "$@" | grep -qx 'examples/configs/tiny.toml'; then
-    command meshrun "$@" --set train.steps={STEPS_CAP} --set train.eval_steps={STEPS_CAP}
+    _meshrun_command "$@" --set train.steps={STEPS_CAP} --set train.eval_steps={STEPS_CAP}
+  else
+    _meshrun_command "$@"
+  fi
+}}
+_meshrun_command() {{
+  local script
+  if [ -n "${{_meshrun_warm+x}}" ] && script=$(type -P meshrun); then
+    "${{_meshrun_warm[@]}}" "$script" "$@"
   else
     command meshrun "$@"
   fi
 }}
 """
+# ...and the `meshrun` it runs is the one on PATH (`type -P`, as `command meshrun` finds it), started
+# by tests/warm_cli.py's thin client on the shell's own descriptors: forked from the pytest
+# process's warm server (its imports paid once), or, where the server refuses (an environment that
+# could change an import) or is not there, exec'd as the console script. MESHRUN_TEST_WARM=0: never.
+WARM_CLIENT = Path(__file__).resolve().parents[1] / "warm_cli.py"
 
 _TRAIN_PY = """import argparse
 
@@ -131,9 +145,23 @@ def new_shell_env(env: dict[str, str]) -> dict[str, str]:
     return {**{k: v for k, v in env.items() if k != "VIRTUAL_ENV"}, "PATH": ":".join(path)}
 
 
-def _shell_script(text: str) -> str:
+def _warm_prelude(env: dict[str, str]) -> str:
+    """The shell variable (not exported: the commands' environment stays the block's) that sends
+    `meshrun` through the warm server, or nothing when there is none for `env`."""
+    try:
+        from conftest import _warm_server
+    except ImportError:  # not under pytest
+        return ""
+    server = _warm_server(env)
+    if server is None:
+        return ""
+    words = [sys.executable, "-I", "-S", str(WARM_CLIENT), "client", server.path]
+    return f"_meshrun_warm=({' '.join(shlex.quote(w) for w in words)})\n"
+
+
+def _shell_script(text: str, env: dict[str, str]) -> str:
     """A bash block or command, then its exported environment for the next block (one shell)."""
-    return f'{PRELUDE}{text}\nenv -0 > "$PWD/{ENV_OUT}"\n'
+    return f'{_warm_prelude(env)}{PRELUDE}{text}\nenv -0 > "$PWD/{ENV_OUT}"\n'
 
 
 def _exported(workdir: Path, env: dict[str, str]) -> dict[str, str]:
@@ -156,7 +184,7 @@ def run_block(block: Block, workdir: Path, env: dict[str, str]) -> Outcome:
         return Outcome(block, rc == 0, f"exit {rc}\n\n{out}", env=env)
     if block.lang == "bash":
         script = workdir / f"{name}.sh"
-        script.write_text(_shell_script(block.text), encoding="utf-8")
+        script.write_text(_shell_script(block.text, env), encoding="utf-8")
         rc, out = _run(["bash", script.name], workdir, env)
         return Outcome(block, rc == 0, f"exit {rc}\n\n{out}", env=_exported(workdir, env))
     steps = _console_steps(block.text)
@@ -164,7 +192,7 @@ def run_block(block: Block, workdir: Path, env: dict[str, str]) -> Outcome:
         return Outcome(block, False, "a console block needs at least one `$ ` command line")
     for k, (command, shown) in enumerate(steps):
         script = workdir / f"{name}_{k}.sh"
-        script.write_text(_shell_script(command), encoding="utf-8")
+        script.write_text(_shell_script(command, env), encoding="utf-8")
         rc, out = _run(["bash", script.name], workdir, env)
         env = _exported(workdir, env)
         if (rc == 0) == (block.marker == "fails"):

@@ -5,18 +5,26 @@ interpreter with torch imported; a command must not notice: the same output and 
 the console script in a new process, its own working directory and environment (tests/e2e set ports, run directories and
 faults through it), and past its
 deadline its whole tree is killed by pid. An environment that could change an import runs cold.
+The thin client (fd mode, the docs test's shells) gives the command its own stdin, stdout and
+stderr, its signals and its fate, and execs the console script wherever the server cannot run it.
 """
 
 from __future__ import annotations
 
+import os
 import re
+import signal
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
-from conftest import _WARM_LOCK, TINY, _warm_server, child_env, meshrun
+from conftest import _WARM_LOCK, BIN, TINY, _warm_server, child_env, meshrun
 
-from meshrun.testing.processes import descendants
+from meshrun.launch.leftovers import running
+from meshrun.testing.processes import descendants, kill_tree
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -79,3 +87,127 @@ def test_a_server_started_from_a_thread_outlives_the_thread():
     assert _warm_server(child_env()) is started[0]
     assert meshrun("config", "show", TINY).returncode == 0
 
+
+
+# --- fd mode: the thin client a shell runs (the docs test's `meshrun`) ---------------------------
+
+WARM_CLI = str(Path(__file__).resolve().parents[1] / "warm_cli.py")
+MESHRUN = str(BIN / "meshrun")
+STDIN_TOML = b'[train]\nname = "from-stdin"\n'
+
+
+@pytest.fixture
+def client(tmp_path):
+    """client(SOCKET, ARGS...): `meshrun ARGS` as a shell block runs it through the warm server
+    (docrun's prelude), in tmp_path; one still running at the end is killed (the server then stops its command)."""
+    started: list[subprocess.Popen] = []
+
+    def start(path: str, *args: str, env: dict[str, str | None] | None = None, **popen) -> subprocess.Popen:
+        started.append(subprocess.Popen([sys.executable, "-I", "-S", WARM_CLI, "client", path, MESHRUN, *args],
+                                        cwd=tmp_path, env=child_env(env), stdout=subprocess.PIPE,
+                                        stderr=subprocess.PIPE, start_new_session=True, **popen))
+        return started[-1]
+
+    yield start
+    for proc in started:
+        if proc.poll() is None:
+            kill_tree(proc.pid)
+        proc.communicate()
+
+
+def _finish(proc: subprocess.Popen, stdin: bytes | None = None) -> tuple[int, str, str]:
+    try:
+        out, err = proc.communicate(stdin, timeout=60)
+    except subprocess.TimeoutExpired:
+        kill_tree(proc.pid)
+        proc.communicate()
+        pytest.fail(f"{proc.args} did not finish within 60s")
+    return proc.returncode, out.decode(), err.decode()
+
+
+def _reaped_cpu_ticks(pid: int) -> int:
+    """The CPU (clock ticks) of the children `pid` has reaped: grows when the server ran a command."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return int(fields[13]) + int(fields[14])
+
+
+def _reading_stdin(proc: subprocess.Popen, server_pid: int) -> int:
+    """The pid of the process running `meshrun config show /dev/stdin` for client `proc` once it has
+    opened /dev/stdin (a descriptor on the client's stdin pipe besides its fd 0)."""
+    pipe = os.readlink(f"/proc/{proc.pid}/fd/0") if proc.poll() is None else "?"
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and proc.poll() is None:
+        for pid in [proc.pid, *descendants(server_pid)]:
+            try:
+                links = [os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd") if int(fd) > 2]
+            except OSError:
+                continue
+            if pipe in links:
+                return pid
+        time.sleep(0.05)
+    kill_tree(proc.pid)
+    pytest.fail(f"no process read the client's stdin: {_finish(proc)}")
+
+
+@pytest.mark.parametrize("args", [["--version"], ["config", "show", "nonexistent.toml"]])
+def test_fd_mode_streams_to_the_clients_descriptors_as_the_console_script_does(tmp_path, client, args):
+    server = _warm_server(child_env())
+    before = _reaped_cpu_ticks(server.proc.pid)
+    warm = _finish(client(server.path, *args))
+    assert _reaped_cpu_ticks(server.proc.pid) > before, "the server ran no command: the client ran it cold"
+    cold = _finish(subprocess.Popen([MESHRUN, *args], cwd=tmp_path, env=child_env(), stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE))
+    assert warm == cold and (cold[1] if args == ["--version"] else cold[2]), (warm, cold)
+
+
+def test_the_command_reads_the_clients_stdin(client):
+    server = _warm_server(child_env())
+    proc = client(server.path, "config", "show", "/dev/stdin", stdin=subprocess.PIPE)
+    pid = _reading_stdin(proc, server.proc.pid)
+    assert pid != proc.pid and pid in descendants(server.proc.pid)  # warm: forked from the server
+    code, out, err = _finish(proc, STDIN_TOML)
+    assert code == 0 and re.search(r'^name +=\s*"from-stdin"', out, re.M), (code, out, err)
+
+
+@pytest.mark.parametrize("why", ["import-sensitive environment", "no server"])
+def test_the_client_execs_the_console_script_where_the_server_refuses_or_is_absent(tmp_path, client, why):
+    server = _warm_server(child_env())
+    path, env = (server.path, {"OMP_NUM_THREADS": "3"}) if why != "no server" else (str(tmp_path / "none.sock"), None)
+    proc = client(path, "config", "show", "/dev/stdin", env=env, stdin=subprocess.PIPE)
+    assert _reading_stdin(proc, server.proc.pid) == proc.pid  # the client became the console script
+    assert MESHRUN in Path(f"/proc/{proc.pid}/cmdline").read_bytes().decode()
+    code, out, err = _finish(proc, STDIN_TOML)
+    assert code == 0 and re.search(r'^name +=\s*"from-stdin"', out, re.M), (code, out, err)
+
+
+def test_sigterm_to_the_client_reaches_the_command(client):
+    server = _warm_server(child_env())
+    proc = client(server.path, "config", "show", "/dev/stdin", stdin=subprocess.PIPE)
+    _reading_stdin(proc, server.proc.pid)
+    os.kill(proc.pid, signal.SIGTERM)  # not forwarded: the client would die of it, without the command's line
+    code, out, err = _finish(proc)
+    assert (code, err) == (143, "meshrun config: stopped by SIGTERM\n"), (code, out, err)
+
+
+def test_a_client_killed_with_sigkill_takes_the_command_with_it(client):
+    server = _warm_server(child_env())
+    proc = client(server.path, "config", "show", "/dev/stdin", stdin=subprocess.PIPE)
+    pid = _reading_stdin(proc, server.proc.pid)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=60)
+    left = time.monotonic() + 10  # its stdin is still open (ours): only the server can end it
+    while (running(pid) or descendants(server.proc.pid)) and time.monotonic() < left:
+        time.sleep(0.05)
+    left = descendants(server.proc.pid)
+    _finish(proc)  # closes that stdin
+    assert not left, left
+
+
+def test_the_client_imports_only_the_standard_library(tmp_path):
+    server = _warm_server(child_env())
+    proc = subprocess.Popen([sys.executable, "-I", "-S", "-X", "importtime", WARM_CLI, "client", server.path, MESHRUN,
+                             "--version"], cwd=tmp_path, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    code, out, err = _finish(proc)
+    modules = {line.rsplit("|", 1)[1].strip().split(".")[0] for line in err.splitlines() if line.startswith("import time:")}
+    assert code == 0 and out.startswith("meshrun ") and "socket" in modules, (code, out, err)
+    assert not modules & {"torch", "meshrun", "numpy", "pathlib"}, sorted(modules)
