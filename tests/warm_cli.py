@@ -47,6 +47,10 @@ IMPORT_SENSITIVE = ("OMP_", "MKL_", "KMP_", "GOMP_", "OPENBLAS", "TORCH", "PYTOR
 # These only where the server imported the module that reads them (it imports none of them today;
 # tests set HF_HUB_OFFLINE for the whole session once they build a Hugging Face model).
 SENSITIVE_IF_IMPORTED = {"HF_": "huggingface_hub", "TRANSFORMERS": "transformers", "TOKENIZERS": "tokenizers"}
+# Under those prefixes, but read by torch only when called (os.getenv in the function that uses
+# it, torch/distributed/elastic/rendezvous/dynamic_rendezvous.py), never at import: these do not
+# make a command cold (the restart tests set it; meshrun's launch sets it too).
+READ_AT_CALL = frozenset({"TORCH_DISABLE_SHARE_RDZV_TCP_STORE"})
 
 
 def import_sensitive_change(server_env: dict[str, str], env: dict[str, str],
@@ -55,7 +59,7 @@ def import_sensitive_change(server_env: dict[str, str], env: dict[str, str],
     import (`imported`: which of SENSITIVE_IF_IMPORTED's modules the server has imported)."""
     prefixes = IMPORT_SENSITIVE + tuple(p for p, module in SENSITIVE_IF_IMPORTED.items() if module in imported)
     for key in sorted(set(server_env) | set(env)):
-        if key.startswith(prefixes) and server_env.get(key) != env.get(key):
+        if key.startswith(prefixes) and key not in READ_AT_CALL and server_env.get(key) != env.get(key):
             return key
     return None
 

@@ -58,6 +58,9 @@ def test_an_import_sensitive_environment_runs_cold(monkeypatch):
     assert _warm_server(child_env({"TORCH_LOGS": "+dynamo"})) is None
     # the server imports no Hugging Face module, so their variables change nothing (tests set them)
     assert _warm_server(child_env({"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})) is not None
+    # torch reads this one when the rendezvous runs, not at import: the restart tests run warm
+    assert _warm_server(child_env({"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})) is not None
+    assert _warm_server(child_env({"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "TORCH_LOGS": "+dynamo"})) is None
     assert _warm_server(child_env(COLD)) is None
 
 
