@@ -38,9 +38,7 @@ pytestmark = pytest.mark.timeout(300)
 
 WORLD = 4
 SEQ = 16
-# 2 blocks: FSDP's prefetch of the next block, AC and TP show as they do over more (a simulation's cost,
-# and the real step's under MemTracker, grow with the blocks); 4 where a rank holds 2 pipeline stages
-ARGS = ModelArgs(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=SEQ)
+ARGS = ModelArgs(vocab_size=64, dim=32, n_layers=4, n_heads=4, n_kv_heads=2, max_seq_len=SEQ)
 OPTIM = SimpleNamespace(name="adamw", lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1,
                         implementation="auto")
 LAYOUTS = {  # name -> (world, ParallelOptions keywords); batch_size: per data-parallel rank
@@ -83,7 +81,6 @@ LAYOUTS = {  # name -> (world, ParallelOptions keywords); batch_size: per data-p
     "moe_ep2_pp2": (4, dict(strategy="fsdp", dp_shard=2, ep=2, pp=2, batch_size=4)),
 }
 TIED_ARGS = ModelArgs(**{**ARGS.__dict__, "tie_embeddings": True})
-STAGED_ARGS = ModelArgs(**{**ARGS.__dict__, "n_layers": 4})  # pp 2 x 2 stages per rank: a block each
 MOE_ARGS = ModelArgs(**{**size_spec("tiny-moe"), "vocab_size": 64, "max_seq_len": SEQ, "n_layers": 2})
 
 
@@ -101,12 +98,7 @@ PEAK_INEXACT = {"ddp4", "fsdp2_tp2_bf16", "hf_qwen2_moe_ep2_fsdp4_bf16",
 
 
 def _args(name: str) -> ModelArgs:
-    if name.startswith("moe"):
-        return MOE_ARGS
-    options = LAYOUTS[name][1]
-    if options.get("pp_stages_per_rank", 1) > 1 or "interleaved" in options.get("pp_schedule", ""):
-        return STAGED_ARGS
-    return TIED_ARGS if "tied" in name else ARGS
+    return MOE_ARGS if name.startswith("moe") else TIED_ARGS if "tied" in name else ARGS
 
 
 def _model(name: str, hf_dir: str = "") -> torch.nn.Module:
