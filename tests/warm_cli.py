@@ -14,9 +14,8 @@ script has them, `meshrun.cli.run()`, and an exit status the client reads as Pop
 is negative). The server's only thread runs the loop below; it imports what a `meshrun train`
 launcher imports before it forks its workers' server (meshrun.launch.preload), so that fork is
 safe and cheap, then freezes what it holds out of the garbage collector's reach (gc.freeze), so
-that a command's collections and quick_exit's walk over the objects skip them (about 0.1 CPU-s a
-command; the command's sys.stdout and sys.stderr, frozen too, are flushed before that walk). The client waits with a deadline and, past it, kills the command's whole tree by
-pid. The server exits within a second of the pytest process that started it.
+that a command's collections skip it (quick_exit unfreezes it to flush every open file). The
+client waits with a deadline and, past it, kills the command's whole tree by pid. The server exits within a second of the pytest process that started it.
 
 A second mode, for commands a shell runs (the docs test): the client passes its own descriptors
 0, 1 and 2 over the socket (SCM_RIGHTS) and the command gets them as its stdin, stdout and stderr,
@@ -82,7 +81,7 @@ def _serve(path: str) -> None:
     del meshrun
     import gc
 
-    gc.freeze()  # what a command's collections (and quick_exit's walk over every object) skip: ~0.1 CPU-s each
+    gc.freeze()  # what a command's collections skip (quick_exit unfreezes it to flush every open file)
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_w, False)
     signal.signal(signal.SIGCHLD, lambda *_: None)
@@ -221,19 +220,6 @@ def _child(request: dict, fds: list[int], sockets: list[socket.socket], pipe: tu
         _close(std)
         # as a new interpreter sets up this stdout (-u / PYTHONUNBUFFERED: written through, no line buffering)
         sys.stdout.reconfigure(line_buffering=os.isatty(1) and not sys.stdout.write_through)
-        import meshrun.cli
-
-        rest = meshrun.cli._flush_open_files  # it finds files through the gc: not the server's (frozen)
-
-        def flush_open_files() -> None:
-            for stream in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__):
-                try:
-                    stream.flush()
-                except Exception:
-                    pass
-            rest()
-
-        meshrun.cli._flush_open_files = flush_open_files
         script = request["argv"][0]
         main = types.ModuleType("__main__")
         main.__file__ = script  # what multiprocessing's spawn would re-import, as for the console script

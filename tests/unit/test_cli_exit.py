@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 
+import pytest
 from conftest import run_proc
 
 PROBE = r"""
@@ -25,13 +26,19 @@ kept = Teardown()
 if sys.argv[2] == "thread":
     threading.Thread(target=lambda: (time.sleep(0.5), print("thread finished", flush=True))).start()
 print("buffered line", end="")
+if sys.argv[2] == "frozen":  # as in a process forked from a server that froze its heap (tests/warm_cli.py)
+    import gc
+
+    gc.freeze()
 quick_exit(7)
 """
 
 
-def test_quick_exit_keeps_the_exit_code_the_atexit_handlers_and_every_byte(tmp_path):
+@pytest.mark.parametrize("heap", ["none", "frozen"])
+def test_quick_exit_keeps_the_exit_code_the_atexit_handlers_and_every_byte(tmp_path, heap):
+    """`frozen`: the open file and the streams are out of gc.get_objects' sight until unfrozen."""
     out = tmp_path / "out.txt"
-    result = run_proc([sys.executable, "-c", PROBE, str(out), "none"], timeout=120)
+    result = run_proc([sys.executable, "-c", PROBE, str(out), heap], timeout=120)
     assert result.returncode == 7, result.output
     assert out.read_text() == "every byte"
     assert "atexit ran" in result.stdout and "buffered line" in result.stdout, result.output

@@ -91,7 +91,6 @@ def test_a_server_started_from_a_thread_outlives_the_thread():
     assert meshrun("config", "show", TINY).returncode == 0
 
 
-
 # --- fd mode: the thin client a shell runs (the docs test's `meshrun`) ---------------------------
 
 WARM_CLI = str(Path(__file__).resolve().parents[1] / "warm_cli.py")
@@ -198,8 +197,8 @@ def test_a_client_killed_with_sigkill_takes_the_command_with_it(client):
     pid = _reading_stdin(proc, server.proc.pid)
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait(timeout=60)
-    left = time.monotonic() + 10  # its stdin is still open (ours): only the server can end it
-    while (running(pid) or descendants(server.proc.pid)) and time.monotonic() < left:
+    deadline = time.monotonic() + 10  # its stdin is still open (ours): only the server can end it
+    while (running(pid) or descendants(server.proc.pid)) and time.monotonic() < deadline:
         time.sleep(0.05)
     left = descendants(server.proc.pid)
     _finish(proc)  # closes that stdin

@@ -140,6 +140,7 @@ def _flush_open_files() -> None:
     import gc
     import io
 
+    gc.unfreeze()  # what a gc.freeze() froze (a forked server's streams) is not listed by get_objects
     buffered = (io.TextIOWrapper, io.BufferedWriter, io.BufferedRandom)
     for obj in gc.get_objects():
         if issubclass(type(obj), buffered):  # type(), not isinstance(): no object's own __class__ is asked
