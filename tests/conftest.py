@@ -190,6 +190,13 @@ def _start_warm():
     return _WARM["server"]
 
 
+DESELECTED: list[str] = []  # node ids this session collected and then left out (-m, -k, --deselect)
+
+
+def pytest_deselected(items) -> None:
+    DESELECTED.extend(item.nodeid for item in items)
+
+
 def pytest_collection_finish(session) -> None:
     """A session that runs end-to-end or docs tests starts the warm server now, in the background
     (its imports overlap collection), so that no test's own clock counts its start."""

@@ -3,9 +3,10 @@
 pytest silently skips folders it considers build output (its default norecursedirs holds `dist`,
 `build`, `*.egg`, dot-folders...), and a file it cannot import is an error that a narrow run never
 sees; tests/dist went uncollected that way, 28 tests that never ran. This runs the same collection
-as `make test` and compares it with the test files on disk: when this session is that collection
-(`make test`: no paths, no -k/-m/--deselect), its own items, which cost nothing; otherwise (a narrow
-run of this file) `pytest --collect-only` in a subprocess (20 s on this machine).
+as `make test` and compares it with the test files on disk: when this session collected what a plain
+`pytest` collects (no paths: `make test`'s -m only deselects, after collection), its own items and
+the ones it deselected, which cost nothing; otherwise (a narrow run of this file) `pytest
+--collect-only` in a subprocess (20 s of CPU on this machine).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import REPO, child_env
+from conftest import DESELECTED, REPO, child_env
 
 # Folders that hold no project tests: virtual environments and caches anywhere, and packaging or run
 # outputs at the top only (a tests/dist or tests/build folder is exactly what this test must catch).
@@ -38,11 +39,13 @@ def _test_files_on_disk() -> set[str]:
 
 
 def _whole_session(config) -> bool:
-    """Whether this session collected what a plain `pytest` collects: no paths, no selection, run
-    from the repository (a collection error would already have stopped it)."""
+    """Whether this session collected what a plain `pytest` collects: no paths, run from the
+    repository (a collection error would already have stopped it). -m, -k and --deselect leave
+    out tests after they are collected (conftest.DESELECTED lists them); --ignore and
+    --last-failed skip files."""
     option = config.option
-    return (not getattr(option, "file_or_dir", None) and not getattr(option, "keyword", "")
-            and not getattr(option, "markexpr", "") and not getattr(option, "deselect", None)
+    return (not getattr(option, "file_or_dir", None) and not getattr(option, "ignore", None)
+            and not getattr(option, "ignore_glob", None) and not getattr(option, "lf", False)
             and Path(config.rootpath) == REPO and os.environ.get("PYTEST_ADDOPTS", "") == "")
 
 
@@ -57,7 +60,8 @@ def _collected_by_a_plain_pytest() -> set[str]:
 @pytest.mark.timeout(180)
 def test_plain_pytest_collects_every_test_file(request):
     if _whole_session(request.config):
-        collected = {item.nodeid.split("::", 1)[0] for item in request.session.items}
+        collected = {nodeid.split("::", 1)[0] for nodeid in
+                     (*(item.nodeid for item in request.session.items), *DESELECTED)}
     else:
         collected = _collected_by_a_plain_pytest()
     on_disk = _test_files_on_disk()
