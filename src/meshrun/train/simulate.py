@@ -275,13 +275,17 @@ RANK_TIMEOUT_S = 900.0
 
 
 def _simulate_child(writer, args: tuple, kwargs: dict) -> None:
-    """In the child process: `simulate_rank(*args, **kwargs)`, its result or error sent on `writer`."""
+    """In the child process: `simulate_rank(*args, **kwargs)`, its result or error sent on `writer`.
+    What the parent had imported is frozen first: the step's collections skip it (a full one walks
+    torch's few hundred thousand objects otherwise)."""
+    import gc
     import logging
     import traceback
     import warnings
 
     from meshrun.errors import MeshrunError
 
+    gc.freeze()
     warnings.simplefilter("ignore")  # the real run's warnings (FSDP views, DTensor's redistributions)
     logging.getLogger("torch.distributed").setLevel(logging.ERROR)
     try:
