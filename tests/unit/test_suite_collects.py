@@ -6,7 +6,7 @@ sees; tests/dist went uncollected that way, 28 tests that never ran. This runs t
 as `make test` and compares it with the test files on disk: when this session collected what a plain
 `pytest` collects (no paths: `make test`'s -m only deselects, after collection), its own items and
 the ones it deselected, which cost nothing; otherwise (a narrow run of this file) `pytest
---collect-only` in a subprocess (20 s of CPU on this machine).
+--collect-only` in a subprocess (10 CPU-s on this machine, quiet).
 """
 
 from __future__ import annotations
