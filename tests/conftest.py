@@ -198,7 +198,7 @@ def pytest_deselected(items) -> None:
 
 
 def pytest_collection_finish(session) -> None:
-    """What collection built (torch, transformers, every test module: about a million objects) is
+    """What collection built (torch, transformers, every test module: about 430,000 objects) is
     frozen: this process's collections skip it from now on (measured: each of the 3 xdist workers
     spent ~20 full collections walking it). A session that runs end-to-end or docs tests then
     starts the warm server, in the background (its imports overlap collection), so that no test's
