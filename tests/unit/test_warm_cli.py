@@ -133,9 +133,21 @@ def _reaped_cpu_ticks(pid: int) -> int:
     return int(fields[13]) + int(fields[14])
 
 
+def _catches(pid: int, signum: int) -> bool:
+    """Whether process `pid` has a handler for `signum` (SigCgt in /proc/PID/status)."""
+    try:
+        caught = re.search(r"^SigCgt:\s*([0-9a-f]+)", Path(f"/proc/{pid}/status").read_text(), re.M)
+    except OSError:
+        return False
+    return bool(caught and int(caught.group(1), 16) >> (signum - 1) & 1)
+
+
 def _reading_stdin(proc: subprocess.Popen, server_pid: int) -> int:
     """The pid of the process running `meshrun config show /dev/stdin` for client `proc` once it has
-    opened /dev/stdin (a descriptor on the client's stdin pipe besides its fd 0)."""
+    opened /dev/stdin: a descriptor on the client's stdin pipe besides its fd 0, in a process that
+    catches SIGTERM (meshrun's handler is in place). The catch matters: a child just forked from the
+    server holds the descriptors it received (SCM_RIGHTS) before it makes them 0, 1, 2 and starts
+    the command, and a SIGTERM then kills it without the command's line."""
     pipe = os.readlink(f"/proc/{proc.pid}/fd/0") if proc.poll() is None else "?"
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and proc.poll() is None:
@@ -144,7 +156,7 @@ def _reading_stdin(proc: subprocess.Popen, server_pid: int) -> int:
                 links = [os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd") if int(fd) > 2]
             except OSError:
                 continue
-            if pipe in links:
+            if pipe in links and _catches(pid, signal.SIGTERM):
                 return pid
         time.sleep(0.05)
     kill_tree(proc.pid)
