@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import enum
 import hashlib
+import io
 import json
 import os
+import pathlib
 import pickle
 import random
+import subprocess
 import time
 
 import pytest
@@ -78,6 +82,49 @@ def test_a_crafted_metadata_pickle_runs_nothing(tmp_path):
     with pytest.raises(mf.CheckpointError, match="no readable DCP metadata"):
         check_fits(ckpt, {})
     assert not marker.exists()
+
+
+class _ByNamePickler(pickle.Pickler):
+    """Pickles an Enum member as early Python 3.11 releases do (3.11.2, Debian 12's): getattr(Enum, NAME)."""
+
+    def reducer_override(self, obj):
+        if isinstance(obj, enum.Enum):
+            return getattr, (type(obj), obj.name)
+        return NotImplemented
+
+
+class _Attr:
+    """Unpickles as getattr(owner, name): what a crafted metadata would reach through builtins.getattr."""
+
+    def __init__(self, owner, name):
+        self.owner, self.name = owner, name
+
+    def __reduce__(self):
+        return getattr, (self.owner, self.name)
+
+
+def _by_name(value) -> bytes:
+    out = io.BytesIO()
+    _ByNamePickler(out).dump(value)
+    return out.getvalue()
+
+
+def test_metadata_pickled_by_enum_name_reads_and_getattr_reaches_nothing_else(tmp_path):
+    ckpt = tmp_path / "step-00000001"
+    _save(ckpt, 1)
+    metadata = safe_load.SafeReader(str(ckpt)).read_metadata()
+    by_name = _by_name(metadata)
+    assert b"getattr" in by_name and b"_MEM_FORMAT_ENCODING" in by_name  # the form under test is there
+    again = safe_load.loads_metadata(by_name)
+    assert again.state_dict_metadata == metadata.state_dict_metadata
+    from torch.distributed.checkpoint.metadata import _MEM_FORMAT_ENCODING, Metadata
+
+    for owner, name in [(Metadata, "__init__"), (pathlib.PosixPath, "write_text"), (torch.Size, "__class__"),
+                        (_MEM_FORMAT_ENCODING, "__class__"), (_MEM_FORMAT_ENCODING, "_member_map_")]:
+        with pytest.raises(pickle.UnpicklingError, match="getattr is allowed in DCP metadata only for an Enum member"):
+            safe_load.loads_metadata(pickle.dumps(_Attr(owner, name)))
+    with pytest.raises(pickle.UnpicklingError, match="subprocess.Popen is not allowed"):
+        safe_load.loads_metadata(pickle.dumps(_Attr(subprocess.Popen, "__init__")))
 
 
 def test_a_crafted_non_tensor_value_runs_nothing(tmp_path):

@@ -5,10 +5,14 @@ non-tensor values (the optimizer's param_groups) with `torch.load(weights_only=F
 checkpoint directory would run code in either. Every meshrun read goes through `SafeReader` and
 `SafePlanner` instead (`read_metadata`, `load`), which accept only the classes a Metadata holds
 on torch 2.13 (found by recording `find_class` while reading real checkpoints) and plain values.
+Early Python 3.11 releases pickle an Enum member by name, as `getattr(TheEnum, "NAME")` (3.11.2,
+Debian 12's python3.11, does; 3.11.7 and 3.12 pickle it by value). Both read: `getattr` resolves to
+a function that returns a member of an allow-listed Enum and refuses every other attribute.
 """
 
 from __future__ import annotations
 
+import enum
 import io
 import pickle
 import warnings
@@ -44,10 +48,21 @@ _ALLOWED = {
 MAX_METADATA_BYTES = 1 << 30
 
 
+def _enum_member(cls: object, name: object) -> enum.Enum:
+    """`getattr` as an Enum member pickled by name uses it, and nothing more: `cls` came through
+    find_class (an allow-listed class), and only one of its members comes back."""
+    if isinstance(cls, type) and issubclass(cls, enum.Enum) and isinstance(name, str) and name in cls.__members__:
+        return cls.__members__[name]
+    raise pickle.UnpicklingError(f"builtins.getattr is allowed in DCP metadata only for an Enum member, "
+                                 f"not {getattr(cls, '__name__', type(cls).__name__)}.{name!r}")
+
+
 class _RestrictedUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str):
         if module == "torch" and isinstance(vars(torch).get(name), torch.dtype):  # vars: no lazy imports
             return vars(torch)[name]
+        if (module, name) == ("builtins", "getattr"):
+            return _enum_member
         if (module, name) in _ALLOWED:
             return super().find_class(module, name)
         raise pickle.UnpicklingError(f"{module}.{name} is not allowed in DCP metadata")
