@@ -35,7 +35,16 @@ LAUNCHER_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER
 
 def pytest_configure(config) -> None:
     """Under pytest-xdist (`make test` runs 3 workers), each worker picks its store ports from its
-    own range (meshrun.testing.ports): two workers can never pick the same port at once."""
+    own range (meshrun.testing.ports): two workers can never pick the same port at once.
+
+    SIGINT handled as Python does by default, whatever this process inherited: a suite started in
+    the background by a shell without job control (`make test &` in a script) inherits SIGINT
+    ignored, every process a test starts would inherit that too, and the tests' Ctrl-Cs would reach
+    nothing (`meshrun train` then rightly trains on, as under nohup: a test failure, not a bug)."""
+    import signal
+
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     worker = os.environ.get("PYTEST_XDIST_WORKER", "")
     if worker.startswith("gw") and PORT_RANGE_VAR not in os.environ:
         count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
