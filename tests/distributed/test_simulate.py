@@ -8,8 +8,8 @@ memory with the optimizer state there (torch's MemTracker). Then this process si
 layout's representative ranks, as `meshrun plan --simulate` does
 (`meshrun.train.simulate.simulate_rank_isolated`: a fake process group and fake tensors, nothing
 computed, each rank in a child of the harness's forkserver, so a clean torch), and must find the
-same bytes and collectives exactly and the same peak (within 10%, the bar; equal where it is
-measured equal). With 4 and 5 micro-batches the simulation runs 3 and counts the middle one's
+same bytes and collectives exactly and the same peak (within 10%, the bar; where it is measured
+equal, within 3% and with the same state held at it). With 4 and 5 micro-batches the simulation runs 3 and counts the middle one's
 collectives again for the rest. Pipelines (1F1B, interleaved 1F1B, zero bubble, GPipe over tp x cp)
 are measured in their second step, in the real launch as in the simulation: the schedule's first
 infers the stages' shapes; their sends and receives are in the inventory. tiny-moe's experts over
@@ -86,13 +86,19 @@ MOE_ARGS = ModelArgs(**{**size_spec("tiny-moe"), "vocab_size": 64, "max_seq_len"
 
 PEAK_TOL = 0.10  # the bar: the simulated peak within 10% of the real one
 # Measured equal for all but these: DDP's (the simulation's all-reduce hook stands in for DDP's own:
-# -2.1%) and bf16's (FSDP's casts: -1.7%). Asserted equal where they are, so a change that moves
-# the simulation away from the real step shows at once.
+# -2.1%) and bf16's (FSDP's casts: -1.7%). Where they are, the state held at the peak (weights,
+# buffers, optimizer state: PEAK_STATE) is asserted equal and the total within PEAK_TIGHT, so a
+# change that moves the simulation away from the real step shows at once. Not the total exactly:
+# a real rank's gradients and activations at its peak depend on when gloo completes a reduce-scatter
+# (fsdp4's rank 3 once peaked 1.5% higher, 16 KiB counted as activation instead of gradient, plus
+# 12 KiB of temporaries; the simulation is the same every time).
 # Pipelines: a sent activation is held until its send completes, which in a real run depends on
 # when the peer receives (two real ranks of one stage differed by 1.0%; the simulation: 16 bytes).
 # Context parallel: its ring exchanges key/value blocks point to point as well, and a real rank's
 # peak moved by up to 0.5% between two launches of cp 4 (the simulation's: the same every time).
 # transformers' experts (Qwen2-MoE, bf16): +1.2%, in activations (the bytes and collectives equal).
+PEAK_TIGHT = 0.03
+PEAK_STATE = ("param", "buffer", "optim")
 PEAK_INEXACT = {"ddp4", "fsdp2_tp2_bf16", "hf_qwen2_moe_ep2_fsdp4_bf16",
                 *(name for name in LAYOUTS if {"pp2", "cp2", "cp4"} & set(name.split("_")))}
 
@@ -211,8 +217,12 @@ def _written_per_rank(path) -> dict[int, int]:  # noqa: ANN001 - a Path
     return written
 
 
+def _state(peak: dict) -> tuple:
+    return tuple(peak[key] for key in PEAK_STATE)
+
+
 def _usage(rank, peak: bool = True) -> tuple:  # noqa: ANN001 - a RankSimulation
-    return rank.params, rank.grads, rank.optim, rank.collectives, rank.checkpoint, rank.peak if peak else None
+    return rank.params, rank.grads, rank.optim, rank.collectives, rank.checkpoint, _state(rank.peak) if peak else None
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
@@ -245,10 +255,10 @@ def test_every_simulated_rank_holds_and_sends_what_the_real_rank_does(name, tmp_
         print(f"\n{name} rank {rank}: peak simulated {sim.peak['total']}, real {got.peak['total']} "
               f"({sim.peak['total'] / got.peak['total'] - 1:+.1%})\n  sim  {sim.peak}\n  real {got.peak}")
     for rank, (simulated, measured) in peaks.items():
-        if name in PEAK_INEXACT:
-            assert abs(simulated["total"] - measured["total"]) <= PEAK_TOL * measured["total"], (name, rank)
-        else:
-            assert simulated["total"] == measured["total"], (name, rank, simulated, measured)
+        tolerance = PEAK_TOL if name in PEAK_INEXACT else PEAK_TIGHT
+        assert abs(simulated["total"] - measured["total"]) <= tolerance * measured["total"], (name, rank, simulated, measured)
+        if name not in PEAK_INEXACT:
+            assert _state(simulated) == _state(measured), (name, rank, simulated, measured)
     others = [rank for rank in range(layout.world_size) if rank not in chosen]
     exact = name not in PEAK_INEXACT
     for rank in others:  # what the report leaves out is what it shows
